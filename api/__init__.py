@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API, SSE streaming, metrics and the command line."""

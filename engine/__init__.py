@@ -1,0 +1,1 @@
+"""Everything that runs models: config, sequences, KV blocks, scheduler, runner, models."""

@@ -1,0 +1,121 @@
+"""Engine configuration: one frozen dataclass, validated on construction, mapped 1:1 onto CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from engine.errors import ConfigError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+SPECULATIVE_METHODS = ("draft_model", "ngram", "none")
+SPECULATIVE_MODES = ("auto", "on", "off")
+SCHEDULING_POLICIES = ("fcfs", "spf")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
+# k above this buys nothing measurable (acceptance^k vanishes) and inflates verify batches.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option. ``help`` metadata becomes the CLI flag's help text."""
+
+    model: str = DEFAULT_TARGET
+    draft_model: str | None = DEFAULT_DRAFT
+    speculative_method: str = "draft_model"
+    num_speculative_tokens: int = 4
+    speculative_mode: str = "auto"
+    ngram_n_min: int = 2
+    ngram_n_max: int = 4
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    page_size: int = 16
+    kv_cache_memory: float = 2.0
+    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None
+    max_model_len: int = 4096
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    num_threads: int | None = None
+    controller_warmup: bool = True
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        check(
+            self.speculative_method in SPECULATIVE_METHODS,
+            f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}",
+        )
+        check(
+            self.speculative_mode in SPECULATIVE_MODES,
+            f"speculative_mode must be one of {SPECULATIVE_MODES}, got {self.speculative_mode!r}",
+        )
+        check(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        check(
+            1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (beyond that the "
+            f"chance that every draft is accepted is negligible and verify batches only grow), "
+            f"got {self.num_speculative_tokens}",
+        )
+        check(
+            1 <= self.ngram_n_min <= self.ngram_n_max,
+            f"need 1 <= ngram_n_min <= ngram_n_max, got {self.ngram_n_min} and {self.ngram_n_max}",
+        )
+        check(
+            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            f"page_size must be a power of two, got {self.page_size}",
+        )
+        check(
+            self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}"
+        )
+        check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}",
+        )
+        check(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check(
+            self.max_num_batched_tokens >= 1 + MAX_SPECULATIVE_TOKENS,
+            f"max_num_batched_tokens must be >= {1 + MAX_SPECULATIVE_TOKENS} so a verify fits, "
+            f"got {self.max_num_batched_tokens}",
+        )
+        check(
+            self.num_threads is None or self.num_threads >= 1,
+            f"num_threads must be >= 1, got {self.num_threads}",
+        )
+        if self.speculative_method == "draft_model":
+            check(
+                bool(self.draft_model),
+                "speculative_method 'draft_model' needs --draft-model (or use 'ngram' or 'none')",
+            )
+
+    @property
+    def speculation_enabled(self) -> bool:
+        return self.speculative_method != "none"
+
+
+def config_field_names() -> list[str]:
+    return [f.name for f in fields(EngineConfig)]

@@ -1,0 +1,380 @@
+"""LLMEngine: add requests, step the batch, collect outputs. Synchronous; the server wraps it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.attention import create_backend
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig
+from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
+from engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model_runner import ModelRunner, RunEntry
+from engine.outputs import OutputState, RequestOutput, append_and_check, make_output
+from engine.sampling import RowContext, compute_probs, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, StepPlan
+from engine.sequence import Sequence, SequenceStatus, SpecStats
+from specdec.controller_base import SeqOutcome, StaticController, StepObservation
+from specdec.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
+from specdec.rejection_sampler import rejection_sample
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: LoadedModel | None = None,
+        draft: LoadedModel | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.target = target or load_model(config.model, self.dtype, self.device, progress=progress)
+        self.tokenizer = self.target.tokenizer
+        self.draft: LoadedModel | None = None
+        if config.speculative_method == "draft_model":
+            self.draft = draft or load_model(
+                config.draft_model or "", self.dtype, self.device, progress=progress
+            )
+            _check_same_vocabulary(self.target, self.draft)
+        self.max_model_len = min(config.max_model_len, self.target.arch.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+
+        archs = [self.target.arch] + ([self.draft.arch] if self.draft else [])
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(archs)
+        k_max = config.num_speculative_tokens if config.speculation_enabled else 0
+        if num_blocks * config.page_size < self.max_model_len + k_max:
+            raise ConfigError(
+                f"the KV pool ({num_blocks} blocks x {config.page_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len}: raise --kv-cache-memory or "
+                f"lower --max-model-len"
+            )
+        self.allocator = BlockAllocator(num_blocks, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.scheduling_policy,
+        )
+        self.target_runner = self._make_runner(self.target, num_blocks)
+        self.proposer: Proposer | None = None
+        if config.speculative_method == "draft_model":
+            self.proposer = DraftModelProposer(self._make_runner(self.draft, num_blocks))
+        elif config.speculative_method == "ngram":
+            self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)
+        self.controller = StaticController(config.num_speculative_tokens)
+        self.spec_stats = SpecStats()
+        self._seq_ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self._states: dict[str, OutputState] = {}
+        self._global_generator = make_generator(config.seed, self.device)
+        self.num_steps = 0
+        self._last_outcomes: list[SeqOutcome] = []
+        per_block = bytes_per_block(archs, config.page_size, self.dtype)
+        logger.info(
+            "KV pool: %d blocks x %d tokens (%.2f GiB, shared by %s); %d sequences of "
+            "max_model_len=%d fit at once",
+            num_blocks,
+            config.page_size,
+            num_blocks * per_block / GIB,
+            " + ".join(a.architecture for a in archs),
+            num_blocks * config.page_size // self.max_model_len,
+            self.max_model_len,
+        )
+
+    # ---- construction helpers ---------------------------------------------------------------
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.target.arch.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return tuple(sorted(ids))
+
+    def _num_blocks_from_budget(self, archs) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = int(self.config.kv_cache_memory * GIB)
+        return num_blocks_for_budget(archs, self.config.page_size, self.dtype, budget)
+
+    def _make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
+        arch = loaded.arch
+        kv = allocate_model_kv(arch, num_blocks, self.config.page_size, self.dtype, self.device)
+        backend = create_backend(
+            self.config.attention_backend,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            self.device,
+        )
+        return ModelRunner(loaded.model, kv, backend, self.config.page_size)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        speculative: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and enqueue. Raises (changing nothing) on bad input."""
+        params = params or SamplingParams()
+        mode = speculative or self.config.speculative_mode
+        if mode not in ("auto", "on", "off"):
+            raise InvalidRequestError(
+                f"speculative must be 'auto', 'on' or 'off', got {mode!r}", param="speculative"
+            )
+        if mode == "on" and self.proposer is None:
+            raise InvalidRequestError(
+                "speculative='on' but this engine has no proposer (speculative_method='none')",
+                param="speculative",
+            )
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._tokenize(prompt)
+        self.check_lengths(len(prompt_ids), params)
+        seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, mode, arrival_time)
+        # A seeded request draws only from its own generator, so its tokens do not depend on
+        # what else shares the batch; unseeded requests share the engine's.
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed, self.device)
+        else:
+            seq.generator = self._global_generator
+        self._states[request_id] = OutputState(seq, self.tokenizer)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.target.arch.vocab_size
+            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab})", param="prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return ids
+
+    def check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {num_prompt_tokens} tokens but max_model_len is {self.max_model_len} "
+                f"(prompt and output must fit): shorten the prompt",
+                param="prompt",
+            )
+        if (
+            params.max_tokens is not None
+            and num_prompt_tokens + params.max_tokens > self.max_model_len
+        ):
+            raise PromptTooLongError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len}): lower max_tokens or shorten the prompt",
+                param="max_tokens",
+            )
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self._states.pop(request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        k_policy = self.controller.choose_k if self.proposer is not None else None
+        plan = self.scheduler.schedule(k_policy)
+        if plan.is_empty:
+            return []
+        spec_items = [s for s in plan.scheduled if s.num_spec_tokens > 0]
+        proposals: dict[int, Proposal] = {}
+        draft_time = 0.0
+        if spec_items:
+            assert self.proposer is not None
+            td = time.perf_counter()
+            for item, prop in zip(spec_items, self.proposer.propose(spec_items), strict=True):
+                item.num_spec_tokens = len(prop.token_ids)
+                proposals[item.seq.seq_id] = prop
+            draft_time = time.perf_counter() - td
+        tt = time.perf_counter()
+        outputs = self._verify_and_commit(plan, proposals)
+        target_time = time.perf_counter() - tt
+        self.num_steps += 1
+        self.controller.observe(
+            StepObservation(
+                step_time=time.perf_counter() - t0,
+                draft_time=draft_time,
+                target_time=target_time,
+                num_target_tokens=plan.num_batched_tokens,
+                num_seqs=len(plan.scheduled),
+                outcomes=self._last_outcomes,
+            )
+        )
+        return outputs
+
+    def _verify_and_commit(
+        self, plan: StepPlan, proposals: dict[int, Proposal]
+    ) -> list[RequestOutput]:
+        entries: list[RunEntry] = []
+        for s in plan.scheduled:
+            seq = s.seq
+            drafts = proposals[seq.seq_id].token_ids if seq.seq_id in proposals else []
+            tokens = seq.token_ids[
+                seq.num_computed_tokens : seq.num_computed_tokens + s.num_new_tokens
+            ]
+            num_logits = 1 + len(drafts) if s.completes_prompt else 0
+            entries.append(RunEntry(seq, tokens + drafts, seq.num_computed_tokens, num_logits))
+        logits = self.target_runner.run(entries)  # [rows needing sampling, vocab]
+
+        sampling = [(s, e) for s, e in zip(plan.scheduled, entries, strict=True) if e.num_logits]
+        accepted: dict[int, list[int]] = {}
+        self._last_outcomes = []
+        if sampling:
+            accepted = self._sample(sampling, proposals, logits)
+
+        outputs = []
+        for s in plan.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens + s.num_spec_tokens
+            if seq.seq_id in accepted:
+                new = accepted[seq.seq_id]
+                is_first_token = seq.num_output_tokens == 0
+                kept = append_and_check(
+                    seq, self._states[seq.request_id], new, self.eos_token_ids, self.max_model_len
+                )
+                n_acc = len(new) - 1
+                if not is_first_token:  # the prefill step is not a decode step: keep it out
+                    seq.spec_stats.record(s.num_spec_tokens, n_acc, kept)
+                    self.spec_stats.record(s.num_spec_tokens, n_acc, kept)
+                self._last_outcomes.append(SeqOutcome(seq, s.num_spec_tokens, n_acc))
+            # Rollback is arithmetic: only committed tokens minus the newest one are computed.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)
+            if seq.is_finished:
+                seq.finish_time = time.monotonic()
+                self.allocator.cache_computed_blocks(seq)
+                self.scheduler.finish(seq, seq.status)
+            else:
+                self.allocator.truncate(seq, seq.num_tokens)
+                self.allocator.cache_computed_blocks(seq)
+            if seq.seq_id in accepted or seq.is_finished:
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _sample(self, sampling, proposals, logits) -> dict[int, list[int]]:
+        rows: list[RowContext] = []
+        for s, e in sampling:
+            seq = s.seq
+            drafts = proposals[seq.seq_id].token_ids if seq.seq_id in proposals else []
+            out = seq.output_token_ids
+            for j in range(e.num_logits):
+                rows.append(RowContext(seq.params, seq.prompt_token_ids, out + drafts[:j]))
+        probs = compute_probs(logits, rows)  # [rows, vocab]
+        k_max = max(e.num_logits for _, e in sampling) - 1
+        batch, vocab = len(sampling), probs.shape[-1]
+        target = probs.new_zeros((batch, k_max + 1, vocab))
+        draft_ids = torch.full((batch, max(k_max, 1)), -1, dtype=torch.int64)
+        draft_probs = None
+        need_q = any(
+            proposals.get(s.seq.seq_id) is not None and proposals[s.seq.seq_id].probs is not None
+            for s, _ in sampling
+        )
+        if need_q:
+            draft_probs = probs.new_zeros((batch, max(k_max, 1), vocab))
+        num_drafts = torch.zeros(batch, dtype=torch.int64)
+        row = 0
+        for b, (s, e) in enumerate(sampling):
+            target[b, : e.num_logits] = probs[row : row + e.num_logits]
+            row += e.num_logits
+            prop = proposals.get(s.seq.seq_id)
+            n = e.num_logits - 1
+            num_drafts[b] = n
+            if n:
+                draft_ids[b, :n] = torch.tensor(prop.token_ids)
+                if draft_probs is not None:
+                    if prop.probs is not None:
+                        draft_probs[b, :n] = prop.probs
+                    else:  # one-hot q for this sequence's drafts
+                        draft_probs[b, torch.arange(n), draft_ids[b, :n]] = 1.0
+        result = rejection_sample(
+            target,
+            draft_ids[:, :k_max] if k_max else draft_ids[:, :0],
+            draft_probs[:, :k_max] if draft_probs is not None and k_max else None,
+            num_drafts,
+            [s.seq.generator for s, _ in sampling],
+        )
+        out_ids = result.output_token_ids.tolist()
+        counts = result.num_accepted.tolist()
+        return {s.seq.seq_id: out_ids[b][: counts[b] + 1] for b, (s, _) in enumerate(sampling)}
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state = self._states[seq.request_id]
+        arm = "plain" if seq.spec_mode == "off" or self.proposer is None else "spec"
+        out = make_output(seq, state, arm)
+        if seq.is_finished:
+            self._seqs.pop(seq.request_id, None)
+            self._states.pop(seq.request_id, None)
+        return out
+
+    # ---- convenience ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        speculative: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        base = next(self._seq_ids)
+        ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p, speculative)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+
+def _check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    if target.arch.vocab_size != draft.arch.vocab_size:
+        raise ConfigError(
+            f"draft vocabulary ({draft.arch.vocab_size}) differs from the target's "
+            f"({target.arch.vocab_size}): the draft must share the target's tokenizer"
+        )
+    both = target.tokenizer is not None and draft.tokenizer is not None
+    if (
+        both
+        and target.tokenizer.hf_tokenizer.get_vocab() != draft.tokenizer.hf_tokenizer.get_vocab()
+    ):
+        raise ConfigError(
+            "draft tokenizer differs from the target's (same size, different tokens): "
+            "choose a draft from the same model family"
+        )

@@ -1,0 +1,66 @@
+"""Resolve a model name/path, read its config, build it with weights, load its tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.models import ModelArch, build_model, model_arch_from_hf_config
+from engine.models.decoder import DecoderLM
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    arch: ModelArch
+    model: DecoderLM
+    tokenizer: object | None  # engine.tokenizer.Tokenizer
+    load_seconds: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from engine.errors import ConfigError
+
+        raise ConfigError("device 'cuda' requested but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 matrix products are slow on CPUs without AVX-512/AMX; fp32 is the fast CPU path.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_tokenizer: bool = True,
+    progress: bool = True,
+) -> LoadedModel:
+    from engine.weights import iter_safetensors_weights, load_hf_config, resolve_model
+
+    start = time.perf_counter()
+    path = resolve_model(name_or_path, progress=progress)
+    arch = model_arch_from_hf_config(load_hf_config(path))
+    model = build_model(arch, iter_safetensors_weights(path), dtype, device)
+    tokenizer = None
+    if load_tokenizer and any((path / f).exists() for f in TOKENIZER_FILES):
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(path)
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s) in %.1f s", path, arch.architecture, seconds)
+    return LoadedModel(path, arch, model, tokenizer, seconds)

@@ -1,0 +1,68 @@
+"""Turns a list of per-sequence token runs into one ragged forward of one model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, build_attention_metadata
+from engine.kv_cache import ModelKV
+from engine.models.decoder import DecoderLM
+from engine.sequence import Sequence
+
+
+@dataclass
+class RunEntry:
+    """Tokens of one sequence to run at positions start_pos.., keeping the last num_logits rows."""
+
+    seq: Sequence
+    token_ids: Seq[int]
+    start_pos: int
+    num_logits: int
+
+
+class ModelRunner:
+    """One model, its KV pages and its attention backend."""
+
+    def __init__(
+        self, model: DecoderLM, kv: ModelKV, backend: AttentionBackend, page_size: int
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.page_size = page_size
+        self.device = backend.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.arch.vocab_size
+
+    def run(self, entries: Seq[RunEntry]) -> torch.Tensor:
+        """One forward over every entry; logits [sum(num_logits), vocab] in entry order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        for e in entries:
+            n = len(e.token_ids)
+            offset = len(input_ids)
+            input_ids.extend(e.token_ids)
+            positions.extend(range(e.start_pos, e.start_pos + n))
+            logits_rows.extend(range(offset + n - e.num_logits, offset + n))
+            q_lens.append(n)
+            kv_lens.append(e.start_pos + n)
+        meta = build_attention_metadata(
+            q_lens, kv_lens, [e.seq.block_table for e in entries], self.page_size, self.device
+        )
+        to = {"dtype": torch.int64, "device": self.device}
+        return self.model(
+            torch.tensor(input_ids, **to),
+            torch.tensor(positions, **to),
+            self.kv.layers,
+            self.backend,
+            meta,
+            torch.tensor(logits_rows, **to),
+        )

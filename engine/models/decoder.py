@@ -1,0 +1,168 @@
+"""Qwen2 / Llama decoder over a flat ragged batch with paged KV (both families share this code).
+
+The families differ only in configuration: q/k/v bias (Qwen2), RoPE theta and scaling, tied or
+untied output embeddings. The forward takes every token of the step at once and returns logits
+only for the rows that need sampling (the lm_head over a 150k vocabulary is the costliest matrix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.arch import ModelArch
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
+        )
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x, positions, rope, kv_cache, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, backend, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """Token ids -> logits of the selected rows; writes this step's K/V into the paged pool."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) pages
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [N] rows of the batch whose logits are wanted
+    ) -> torch.Tensor:  # [N, vocab] float32
+        backend.plan(meta)
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rope, kv, backend, meta)
+        if logits_indices.numel() == 0:
+            return x.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+        h = self.norm(x[logits_indices])
+        return self.lm_head(h).float()
+
+    def pack_linear_weights(self) -> int:
+        """Pack every Linear for the CPU fast path; returns how many were packed."""
+        return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            target, offset = _fused_target(name, self.arch)
+            if target.startswith("model."):
+                target = target[len("model.") :]
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r} for {self.arch.architecture}")
+            param = params[target]
+            with torch.no_grad():
+                if offset is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(
+                            f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                else:
+                    rows = tensor.shape[0]
+                    param[offset : offset + rows].copy_(tensor)
+            loaded.add(f"{name}")
+        if self.arch.tie_word_embeddings:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.embed_tokens.weight)
+        missing = _expected_names(self.arch) - loaded
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+            )
+
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def _fused_target(name: str, arch: ModelArch) -> tuple[str, int | None]:
+    """Map a checkpoint name to (our parameter name, row offset inside a fused matrix or None)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _QKV:
+            q_size = arch.num_attention_heads * arch.head_dim
+            kv_size = arch.num_key_value_heads * arch.head_dim
+            offset = (0, q_size, q_size + kv_size)[_QKV[part]]
+            return ".".join(parts[:i] + ["qkv_proj"] + parts[i + 1 :]), offset
+        if part in _GATE_UP:
+            offset = _GATE_UP[part] * arch.intermediate_size
+            return ".".join(parts[:i] + ["gate_up_proj"] + parts[i + 1 :]), offset
+    return name, None
+
+
+def _expected_names(arch: ModelArch) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not arch.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.add(p + f"self_attn.{proj}.weight")
+        if arch.attention_bias:
+            names |= {p + f"self_attn.{x}.bias" for x in ("q_proj", "k_proj", "v_proj")}
+        names |= {p + f"mlp.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")}
+    return names

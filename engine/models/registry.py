@@ -1,0 +1,43 @@
+"""config.json architecture name -> model class (all current families share DecoderLM)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine.models.arch import ModelArch, model_arch_from_hf_config
+from engine.models.decoder import DecoderLM
+
+MODEL_CLASSES: dict[str, type[DecoderLM]] = {
+    "Qwen2ForCausalLM": DecoderLM,
+    "LlamaForCausalLM": DecoderLM,
+    "MistralForCausalLM": DecoderLM,
+}
+
+
+def build_model(
+    arch: ModelArch,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecoderLM:
+    """Instantiate, load weights tensor by tensor, and prepare kernels for the device."""
+    cls = MODEL_CLASSES[arch.architecture]
+    # Build directly in the target dtype and device so no second full-size copy ever exists.
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(arch)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    model.load_weights(weights)
+    model.rope.to(torch.float32)
+    model.eval()
+    if device.type == "cpu" and dtype == torch.float32:
+        model.pack_linear_weights()
+    return model
+
+
+__all__ = ["ModelArch", "build_model", "model_arch_from_hf_config"]

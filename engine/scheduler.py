@@ -1,0 +1,193 @@
+"""Continuous batching scheduler: picks each step's ragged batch under a token budget.
+
+There are no prefill/decode phases. Every step, each running sequence is given what it still
+needs - ``num_tokens - num_computed_tokens`` target tokens (a prompt chunk, or 1 to decode) plus
+``k`` draft tokens to verify when the speculation controller asks for them - capped by
+``max_num_batched_tokens``. Waiting sequences are admitted while the budget, ``max_num_seqs`` and
+the KV pool allow. When the pool runs dry, the newest running sequence is preempted (its blocks
+freed, to be recomputed later), so the oldest always make progress: no deadlock, no crash.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.block_allocator import BlockAllocator
+from engine.sequence import Sequence, SequenceStatus
+
+# Decides k (draft tokens to verify) for each decode-ready sequence: (sequences) -> ks.
+KPolicy = Callable[[list[Sequence]], list[int]]
+
+# Shortest-prompt-first ages a waiting prompt by this many tokens per second waited, so a long
+# prompt's effective length reaches zero after (its length / rate) seconds and it cannot starve.
+SPF_AGING_TOKENS_PER_SECOND = 256.0
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # committed tokens the target computes this step (chunk or 1)
+    num_spec_tokens: int = 0  # k: draft tokens appended after them for verification
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_new_tokens + self.num_spec_tokens
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step every committed token is computed, so a next token gets sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark seq finished (or aborted), drop it from the queues and free its blocks."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self, k_policy: KPolicy | None = None) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        ks = self._choose_ks(k_policy)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            need = seq.num_tokens - seq.num_computed_tokens
+            k = min(ks.get(seq.seq_id, 0), max(0, budget - need)) if need == 1 else 0
+            num_new = min(need, budget)
+            while not self.allocator.can_allocate(seq, seq.num_computed_tokens + num_new + k):
+                if k > 0:
+                    k = 0  # verify slots are a luxury: drop them before preempting anyone
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # seq preempted itself; the loop index now points at the next one
+            self.allocator.allocate(seq, seq.num_computed_tokens + num_new + k)
+            plan.scheduled.append(ScheduledSeq(seq, num_new, k))
+            budget -= num_new + k
+            i += 1
+
+        if not plan.preempted:  # admitting right after preempting would only thrash
+            budget = self._admit(plan, budget)
+        return plan
+
+    def _choose_ks(self, k_policy: KPolicy | None) -> dict[int, int]:
+        if k_policy is None:
+            return {}
+        ready = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        if not ready:
+            return {}
+        ks = k_policy(ready)
+        out: dict[int, int] = {}
+        for seq, k in zip(ready, ks, strict=True):
+            out[seq.seq_id] = max(0, min(k, self._max_useful_k(seq)))
+        return out
+
+    def _max_useful_k(self, seq: Sequence) -> int:
+        """Drafts past max_tokens or max_model_len could never be committed: don't verify them."""
+        room = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens)
+        return max(0, room - 1)
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_draft_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        plan.preempted.append(seq)
+
+    def _admission_order(self) -> list[Sequence]:
+        if self.policy == "fcfs":
+            return list(self.waiting)
+        now = time.monotonic()
+
+        def effective_len(s: Sequence) -> float:
+            return s.num_tokens - SPF_AGING_TOKENS_PER_SECOND * (now - s.arrival_time)
+
+        # Preempted sequences keep their place at the front: they already waited once.
+        preempted = [s for s in self.waiting if s.num_preemptions > 0]
+        fresh = sorted((s for s in self.waiting if s.num_preemptions == 0), key=effective_len)
+        return preempted + fresh
+
+    def _admit(self, plan: StepPlan, budget: int) -> int:
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not seq.block_table:
+                cached, draft_cached = self.allocator.match_prefix(seq)
+                seq.num_computed_tokens = cached
+                seq.num_draft_computed_tokens = draft_cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = cached
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.allocator.can_allocate(seq, seq.num_computed_tokens + num_new):
+                # Give the prefix hits back: the sequence stays waiting with nothing held.
+                self.allocator.free(seq)
+                seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+                break
+            self.allocator.allocate(seq, seq.num_computed_tokens + num_new)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            plan.scheduled.append(ScheduledSeq(seq, num_new, 0))
+            budget -= num_new
+        return budget

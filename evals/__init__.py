@@ -1,0 +1,1 @@
+"""Offline acceptance-rate evals, the serving benchmark and baselines."""

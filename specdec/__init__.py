@@ -1,0 +1,1 @@
+"""Speculation: proposers, rejection sampling, adaptive controller, acceptance statistics."""

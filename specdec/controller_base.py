@@ -1,0 +1,64 @@
+"""What every speculation controller sees and decides: k per sequence per step, from measurements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class SeqOutcome:
+    seq: Sequence
+    num_drafted: int  # drafts verified this step (k actually used)
+    num_accepted: int  # of those, accepted
+
+
+@dataclass
+class StepObservation:
+    """One engine step, measured."""
+
+    step_time: float  # seconds, whole step (draft + target + sampling + bookkeeping)
+    draft_time: float  # seconds spent in draft forwards
+    target_time: float  # seconds in the target forward and sampling
+    num_target_tokens: int  # rows in the target forward (prefill chunks + decodes + verifies)
+    num_seqs: int  # sequences in the target forward
+    draft_forwards: list[tuple[int, int]] = field(default_factory=list)  # (rows, seqs) each
+    outcomes: list[SeqOutcome] = field(default_factory=list)
+
+
+class SpeculationController(Protocol):
+    def choose_k(self, seqs: list[Sequence]) -> list[int]:
+        """k for each decode-ready sequence (0 = plain decode, no draft work for it)."""
+        ...
+
+    def observe(self, obs: StepObservation) -> None:
+        """Feed back one measured step."""
+        ...
+
+    def stats(self) -> dict:
+        """Current decision inputs/outputs for metrics and logs."""
+        ...
+
+
+class StaticController:
+    """k_max for 'on' and 'auto' sequences, 0 for 'off': fixed-k speculation."""
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self._last_ks: list[int] = []
+
+    def choose_k(self, seqs: list[Sequence]) -> list[int]:
+        self._last_ks = [0 if s.spec_mode == "off" else self.k_max for s in seqs]
+        return self._last_ks
+
+    def observe(self, obs: StepObservation) -> None:
+        pass
+
+    def stats(self) -> dict:
+        n = len(self._last_ks)
+        return {
+            "mean_k": sum(self._last_ks) / n if n else 0.0,
+            "speculating_fraction": sum(k > 0 for k in self._last_ks) / n if n else 0.0,
+        }
