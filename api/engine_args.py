@@ -1,0 +1,85 @@
+"""EngineConfig <-> command-line flags, 1:1 (field `max_num_seqs` is flag `--max-num-seqs`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    SPECULATIVE_MODES,
+    EngineConfig,
+)
+
+HELP = {
+    "model": "target model: a default name (see `specdec pull --list`), a Hugging Face "
+    "directory or a .gguf file",
+    "draft_model": "draft model for speculative_method=draft_model (same forms as --model)",
+    "speculative_method": "how drafts are proposed",
+    "num_speculative_tokens": "k: draft tokens per step (the controller's k_max in auto mode)",
+    "speculative_mode": "default for requests that do not choose: auto (controller decides), "
+    "on (always k), off (plain decode)",
+    "ngram_n_min": "shortest suffix the n-gram proposer matches",
+    "ngram_n_max": "longest suffix the n-gram proposer matches",
+    "dtype": "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "device": "where models run",
+    "attention_backend": "attention kernels (auto: FlashInfer on CUDA when it works, else torch)",
+    "page_size": "tokens per KV block",
+    "kv_cache_memory": "GiB for the KV pool on CPU (shared by target and draft)",
+    "gpu_memory_utilization": "fraction of free GPU memory for the KV pool",
+    "num_kv_blocks": "exact KV block count (overrides the memory budget)",
+    "max_model_len": "longest sequence (prompt + output) in tokens",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "token budget of one engine step (prefill chunk size)",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "scheduling_policy": "fcfs, or spf (shortest prompt first, with aging)",
+    "seed": "engine seed for requests without their own",
+    "num_threads": "torch CPU threads (default: torch's choice)",
+    "controller_warmup": "time a few plain and verify steps at start-up to seed the cost model",
+}
+
+CHOICES = {
+    "speculative_method": SPECULATIVE_METHODS,
+    "speculative_mode": SPECULATIVE_MODES,
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "scheduling_policy": SCHEDULING_POLICIES,
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        hint = hints[f.name]
+        kwargs: dict = {
+            "default": f.default,
+            "help": f"{HELP.get(f.name, '')} (default: %(default)s)",
+        }
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            base = typing.get_args(hint)[0] if typing.get_args(hint) else hint
+            kwargs["type"] = base
+            if f.name in CHOICES:
+                kwargs["choices"] = CHOICES[f.name]
+        group.add_argument(_flag(f.name), dest=f.name, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if values.get("draft_model") in ("", "none"):
+        values["draft_model"] = None
+    if values["speculative_method"] != "draft_model":
+        values["draft_model"] = None
+    return EngineConfig(**values)
