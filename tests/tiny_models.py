@@ -93,3 +93,15 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def noisy_copy(hf_model, scale: float, seed: int = 0):
+    """A draft that agrees with hf_model most of the time: same weights plus Gaussian noise."""
+    import copy
+
+    draft = copy.deepcopy(hf_model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
+    return draft
