@@ -20,7 +20,7 @@ class _SeqPlan:
     q_len: int
     kv_len: int
     pages: torch.Tensor  # [num_pages] int64 block ids covering kv_len
-    mask: torch.Tensor | None  # [q_len, kv_len] bool, None when q_len == 1 (sees every key)
+    mask: torch.Tensor | None  # [group * q_len, kv_len] bool; None when q_len == 1 (sees all)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -37,7 +37,9 @@ class TorchAttentionBackend(AttentionBackend):
                 # Bottom-right causal: row r sees keys 0 .. kv_len - q_len + r.
                 rows = torch.arange(q_len, device=self.device).unsqueeze(1)
                 cols = torch.arange(kv_len, device=self.device).unsqueeze(0)
-                mask = cols <= rows + (kv_len - q_len)
+                # Repeated per query head of a KV group (see forward), once per step, not per layer.
+                group = self.num_heads // self.num_kv_heads
+                mask = (cols <= rows + (kv_len - q_len)).repeat(group, 1)
             seq_plans.append(_SeqPlan(start, q_len, kv_len, pages, mask))
             start += q_len
         meta.plan = seq_plans
@@ -45,20 +47,17 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        group = self.num_heads // self.num_kv_heads
+        hkv, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         for sp in meta.plan:  # type: ignore[union-attr]
-            keys = k_cache[sp.pages].flatten(0, 1)[: sp.kv_len]  # [kv_len, Hkv, D]
-            values = v_cache[sp.pages].flatten(0, 1)[: sp.kv_len]
-            qs = q[sp.q_start : sp.q_start + sp.q_len].transpose(0, 1)  # [H, q_len, D]
-            if group > 1:
-                keys = keys.repeat_interleave(group, dim=1)
-                values = values.repeat_interleave(group, dim=1)
+            keys = k_cache[sp.pages].flatten(0, 1)[: sp.kv_len].transpose(0, 1)  # [Hkv, kv, D]
+            values = v_cache[sp.pages].flatten(0, 1)[: sp.kv_len].transpose(0, 1)
+            # GQA without copying K/V per query head: the `group` query heads sharing a KV head
+            # become extra rows of one attention problem per KV head.
+            qs = q[sp.q_start : sp.q_start + sp.q_len].view(sp.q_len, hkv, group, dim)
+            qs = qs.permute(1, 2, 0, 3).reshape(hkv, group * sp.q_len, dim)
             o = F.scaled_dot_product_attention(
-                qs,
-                keys.transpose(0, 1).to(q.dtype),
-                values.transpose(0, 1).to(q.dtype),
-                attn_mask=sp.mask,
-                scale=self.scale,
-            )  # [H, q_len, D]
-            out[sp.q_start : sp.q_start + sp.q_len] = o.transpose(0, 1)
+                qs, keys.to(q.dtype), values.to(q.dtype), attn_mask=sp.mask, scale=self.scale
+            )  # [Hkv, group * q_len, D]
+            o = o.view(hkv, group, sp.q_len, dim).permute(2, 0, 1, 3)
+            out[sp.q_start : sp.q_start + sp.q_len] = o.reshape(sp.q_len, -1, dim)
         return out
