@@ -1,0 +1,220 @@
+"""Tokenizer wrapper: loading from a model directory, eos ids, chat templates and validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers_tokenizer import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    STREAM_TEXTS,
+    build_byte_fallback_tokenizer,
+    build_byte_level_tokenizer,
+    save_tokenizer_dir,
+)
+
+from engine.errors import CorruptModelFileError, InvalidRequestError, ModelNotFoundError
+from engine.tokenizer import Tokenizer, validate_chat_messages
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    hf = build_byte_level_tokenizer()
+    im_end = hf.convert_tokens_to_ids(IM_END)
+    endoftext = hf.convert_tokens_to_ids(ENDOFTEXT)
+    # Like Qwen instruct models: generation stops on <|im_end|> as well as the tokenizer's eos.
+    return save_tokenizer_dir(
+        hf, tmp_path_factory.mktemp("tiny-bpe"), generation_eos=[im_end, endoftext]
+    )
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def test_from_dir_loads_vocab_and_special_ids(tok: Tokenizer) -> None:
+    hf = tok.hf_tokenizer
+    assert tok.vocab_size == len(hf) == 420
+    ids = [hf.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_START, IM_END)]
+    assert set(ids) <= tok.all_special_ids
+    assert tok.convert_ids_to_tokens(ids) == [ENDOFTEXT, IM_START, IM_END]
+
+
+def test_eos_ids_merge_tokenizer_and_generation_config(tok: Tokenizer) -> None:
+    hf = tok.hf_tokenizer
+    endoftext, im_end = hf.convert_tokens_to_ids([ENDOFTEXT, IM_END])
+    # Tokenizer's own eos first, then generation_config's, without duplicates.
+    assert tok.eos_token_ids == (endoftext, im_end)
+
+
+def test_generation_config_eos_as_single_int(tmp_path: Path) -> None:
+    hf = build_byte_level_tokenizer()
+    im_end = hf.convert_tokens_to_ids(IM_END)
+    tok = Tokenizer.from_dir(save_tokenizer_dir(hf, tmp_path, generation_eos=im_end))
+    assert tok.eos_token_ids == (hf.eos_token_id, im_end)
+
+
+def test_without_generation_config_only_tokenizer_eos(tmp_path: Path) -> None:
+    hf = build_byte_level_tokenizer()
+    tok = Tokenizer.from_dir(save_tokenizer_dir(hf, tmp_path))
+    assert tok.eos_token_ids == (hf.eos_token_id,)
+
+
+def test_wrapping_an_hf_tokenizer_with_extra_eos() -> None:
+    hf = build_byte_level_tokenizer()
+    tok = Tokenizer(hf, eos_token_ids=[7, hf.eos_token_id])
+    assert tok.eos_token_ids == (hf.eos_token_id, 7)
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_TEXTS))
+def test_encode_decode_round_trip(tok: Tokenizer, name: str) -> None:
+    text = STREAM_TEXTS[name]
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.decode_window(ids) == text
+
+
+def test_encode_keeps_special_token_text_as_one_id(tok: Tokenizer) -> None:
+    im_end = tok.hf_tokenizer.convert_tokens_to_ids(IM_END)
+    ids = tok.encode("ok" + IM_END)
+    assert ids[-1] == im_end
+    assert tok.decode(ids) == "ok"
+    assert tok.decode(ids, skip_special_tokens=False) == "ok" + IM_END
+
+
+def test_missing_dir_is_model_not_found(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        Tokenizer.from_dir(tmp_path / "nope")
+
+
+def test_dir_without_tokenizer_files_is_model_not_found(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="no tokenizer files"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_corrupt_tokenizer_json_is_reported(tmp_path: Path) -> None:
+    save_tokenizer_dir(build_byte_level_tokenizer(), tmp_path)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(path.read_text()[:500])  # truncated download
+    with pytest.raises(CorruptModelFileError, match="could not load the tokenizer"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_corrupt_generation_config_is_reported(tmp_path: Path) -> None:
+    save_tokenizer_dir(build_byte_level_tokenizer(), tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": ["x"]}')
+    with pytest.raises(CorruptModelFileError, match="eos_token_id"):
+        Tokenizer.from_dir(tmp_path)
+
+
+# ------------------------------------------------------------------------------------ chat
+
+
+def test_chat_template_renders_chatml_with_generation_prompt(tok: Tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "你好 👋🏽"},
+    ]
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n你好 👋🏽<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tok.render_chat(messages) == expected
+    ids = tok.apply_chat_template(messages)
+    assert ids == tok.encode(expected)
+    im_start = tok.hf_tokenizer.convert_tokens_to_ids(IM_START)
+    assert ids.count(im_start) == 3  # control tokens are single ids, not spelled-out text
+    assert tok.decode(ids, skip_special_tokens=False) == expected
+
+
+def test_chat_template_without_generation_prompt(tok: Tokenizer) -> None:
+    text = tok.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n"
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_text_parts_are_joined_and_assistant_null_content_allowed(tok: Tokenizer) -> None:
+    messages = [
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        },
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+    text = tok.render_chat(messages)
+    assert "<|im_start|>developer\na\nb<|im_end|>" in text
+    assert "<|im_start|>assistant\n<|im_end|>" in text
+    assert "<|im_start|>tool\n42<|im_end|>" in text
+    normalized = validate_chat_messages(messages)
+    assert normalized[3]["tool_call_id"] == "call_1"  # extra keys pass through
+    assert messages[0]["content"][0] == {"type": "text", "text": "a"}  # input left untouched
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        (None, "non-empty list"),
+        (["hello"], "messages[0] must be an object"),
+        ([{"content": "hi"}], "messages[0].role"),
+        ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0] has no 'content'"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], "messages[1].content"),
+        ([{"role": "user", "content": None}], "null only for assistant"),
+        ([{"role": "user", "content": {"text": "hi"}}], "string or a list of text parts"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "only text parts",
+        ),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "content[0]"),
+        ([{"role": "user", "content": ["plain string part"]}], "content[0]"),
+    ],
+)
+def test_bad_messages_raise_invalid_request(
+    tok: Tokenizer, messages: object, fragment: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        tok.apply_chat_template(messages)
+    assert info.value.param == "messages"
+    assert fragment in info.value.message
+
+
+def test_model_without_chat_template_points_to_completions(tmp_path: Path) -> None:
+    tok = Tokenizer.from_dir(save_tokenizer_dir(build_byte_fallback_tokenizer(), tmp_path))
+    assert not tok.has_chat_template
+    with pytest.raises(InvalidRequestError, match="no chat template") as info:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "/v1/completions" in info.value.message
+    assert info.value.param == "messages"
+
+
+def test_template_errors_become_invalid_request() -> None:
+    hf = build_byte_level_tokenizer()
+    hf.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('first must be user') }}"
+        "{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    tok = Tokenizer(hf)
+    assert tok.render_chat([{"role": "user", "content": "x"}]) == "x"
+    with pytest.raises(InvalidRequestError, match="first must be user"):
+        tok.render_chat([{"role": "system", "content": "x"}])
+
+
+def test_saved_chat_template_survives_reload(model_dir: Path) -> None:
+    # transformers writes the template either into tokenizer_config.json or chat_template.jinja.
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert "chat_template" in config or (model_dir / "chat_template.jinja").is_file()
+    assert Tokenizer.from_dir(model_dir).has_chat_template
