@@ -1,0 +1,46 @@
+"""Weight loading: Hugging Face directories, GGUF files, and the embedded default model pair."""
+
+from __future__ import annotations
+
+from engine.weights.cache import COMPLETE_MARKER, specdec_home
+from engine.weights.convert import convert_gguf_to_hf_dir
+from engine.weights.default_pair import (
+    DEFAULT_DRAFT,
+    DEFAULT_MODELS,
+    DEFAULT_TARGET,
+    DefaultModel,
+    WheelPart,
+    default_model_names,
+    pip_download_wheel,
+    pull,
+)
+from engine.weights.gguf_file import (
+    GGUFModel,
+    gguf_to_hf_config,
+    iter_gguf_weights,
+    save_tokenizer_from_gguf,
+)
+from engine.weights.hf_dir import iter_safetensors_weights, load_hf_config, safetensors_files
+from engine.weights.resolve import resolve_model
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "DEFAULT_DRAFT",
+    "DEFAULT_MODELS",
+    "DEFAULT_TARGET",
+    "DefaultModel",
+    "GGUFModel",
+    "WheelPart",
+    "convert_gguf_to_hf_dir",
+    "default_model_names",
+    "gguf_to_hf_config",
+    "iter_gguf_weights",
+    "iter_safetensors_weights",
+    "load_hf_config",
+    "pip_download_wheel",
+    "pull",
+    "resolve_model",
+    "safetensors_files",
+    "save_tokenizer_from_gguf",
+    "specdec_home",
+]
