@@ -18,7 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", dest="request_seed", type=int, default=None)
+    parser.add_argument(
+        "--request-seed",
+        dest="request_seed",
+        type=int,
+        default=None,
+        help="this request's sampling seed (the engine has --seed)",
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--speculative",

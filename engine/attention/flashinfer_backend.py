@@ -169,6 +169,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         # The model dtype (q and KV pages). Unknown until the owner sets it or the first forward
         # shows it; until then planning the kernels waits for layer 0 of the first step.
         self.dtype: torch.dtype | None = None
+        # Per wrapper: an event recorded after its last plan (see plan_wrapper).
+        self._planned: dict[int, torch.cuda.Event] = {}
 
     # ---- per step ---------------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> None:
@@ -181,7 +183,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self._decode if step.indices["is_pure_decode"] else self._prefill
 
     def plan_wrapper(self, step: FlashInferStepPlan, wrapper: Any, dtype: torch.dtype) -> None:
-        """Plan `wrapper` (a decode or prefill wrapper, eager or CUDA-graph) for `step`."""
+        """Plan `wrapper` (a decode or prefill wrapper, eager or CUDA-graph) for `step`.
+
+        FlashInfer's plan writes its schedule into one pinned host buffer per wrapper and queues
+        an asynchronous copy from it. Planning the same wrapper again before the device has made
+        that copy (several draft steps queued back to back) would overwrite the schedule under
+        it, so the host first waits for the event recorded after the previous plan: it may run
+        ahead of the device by one plan of a wrapper, not more.
+        """
+        previous = self._planned.get(id(wrapper))
+        if previous is not None:
+            previous.synchronize()
         ix = step.indices
         common: dict[str, Any] = {
             "q_data_type": dtype,
@@ -214,6 +226,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                 causal=True,
                 **common,
             )
+        event = torch.cuda.Event()
+        event.record()
+        self._planned[id(wrapper)] = event
         step.wrapper = wrapper
 
     def forward(self, q, k, v, k_cache, v_cache, meta):

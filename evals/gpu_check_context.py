@@ -1,0 +1,71 @@
+"""Shared state of one device-check run: options, deadline, results, and the chosen kernels."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.gpu_sampling import FlashInferKernels, SamplingKernels, TorchKernels
+from engine.models import ModelArch
+
+
+@dataclass
+class CheckContext:
+    device: torch.device
+    dtype: torch.dtype
+    cpu_smoke: bool
+    out_dir: Path
+    parity_shapes: list[str]
+    target_shape: str
+    draft_shape: str
+    batch_sizes: list[int]
+    ks: list[int]
+    accept_rates: list[float]
+    context_len: int
+    iters: int
+    e2e_steps: int
+    page_size: int
+    deadline: float  # time.monotonic() after which stages are skipped
+    started: float = field(default_factory=time.monotonic)
+    results: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)  # models and graphs reused by stages
+
+    @property
+    def use_flashinfer(self) -> bool:
+        return self.device.type == "cuda"
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:7.1f}s] {message}", flush=True)
+
+    def attention_backend(self, arch: ModelArch) -> AttentionBackend:
+        """FlashInfer on the GPU (no fallback: the check must fail loudly), torch otherwise."""
+        heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        if self.use_flashinfer:
+            from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+            backend = FlashInferAttentionBackend(heads, kv_heads, dim, self.device)
+            backend.dtype = self.dtype
+            return backend
+        return TorchAttentionBackend(heads, kv_heads, dim, self.device)
+
+    def torch_backend(self, arch: ModelArch) -> AttentionBackend:
+        return TorchAttentionBackend(
+            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.device
+        )
+
+    def sampling_kernels(self) -> SamplingKernels:
+        return FlashInferKernels() if self.use_flashinfer else TorchKernels()
+
+    def free_memory(self) -> None:
+        self.cache.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
