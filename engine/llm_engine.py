@@ -21,7 +21,8 @@ from engine.sampling import RowContext, compute_probs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence, SequenceStatus, SpecStats
-from specdec.controller_base import SeqOutcome, StaticController, StepObservation
+from specdec.controller import build_controller
+from specdec.controller_base import SeqOutcome, StepObservation
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
 from specdec.rejection_sampler import rejection_sample
 
@@ -76,7 +77,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(self._make_runner(self.draft, num_blocks))
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)
-        self.controller = StaticController(config.num_speculative_tokens)
+        self.controller = build_controller(config, self)
         self.spec_stats = SpecStats()
         self._seq_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}

@@ -16,8 +16,14 @@ def make(num_blocks=64, page=4, max_seqs=8, budget=32, max_len=200, policy="fcfs
 
 
 def seq(i, n_prompt, max_tokens=50, arrival=0.0):
-    return Sequence(i, f"s{i}", list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
-                    "on", arrival_time=arrival)
+    return Sequence(
+        i,
+        f"s{i}",
+        list(range(1, n_prompt + 1)),
+        SamplingParams(max_tokens=max_tokens),
+        "on",
+        arrival_time=arrival,
+    )
 
 
 @pytest.mark.parametrize(
@@ -48,7 +54,9 @@ def test_prefill_chunks_respect_budget(prompts, budget, expected_new):
         (0, 0, 50, 32, 0),
     ],
 )
-def test_k_is_capped_by_max_tokens_and_budget(k_asked, output_so_far, max_tokens, budget, k_expected):
+def test_k_is_capped_by_max_tokens_and_budget(
+    k_asked, output_so_far, max_tokens, budget, k_expected
+):
     alloc, sched = make(budget=budget)
     s = seq(0, 6, max_tokens=max_tokens)
     sched.add(s)
@@ -105,10 +113,12 @@ def test_rollback_after_every_speculative_step():
     from tiny_models import make_engine, noisy_copy, tiny_hf_model
 
     target = tiny_hf_model("qwen2", seed=0)
-    engine = make_engine(target, noisy_copy(target, 0.05),
-                         speculative_mode="on", num_speculative_tokens=4)
-    engine.add_request("a", list(range(2, 30)), SamplingParams(temperature=0, max_tokens=40,
-                                                              ignore_eos=True))
+    engine = make_engine(
+        target, noisy_copy(target, 0.05), speculative_mode="on", num_speculative_tokens=4
+    )
+    engine.add_request(
+        "a", list(range(2, 30)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )
     seen_partial = False
     while engine.has_unfinished():
         engine.step()

@@ -55,7 +55,10 @@ def test_unrelated_draft_commits_about_one_and_output_is_identical(target, unrel
 def test_mixed_batch_speculating_plain_and_prefilling(target, unrelated_draft, method):
     draft = target if method == "draft_model" else None
     engine = make_engine(
-        target, draft or unrelated_draft, speculative_method=method, num_speculative_tokens=3,
+        target,
+        draft or unrelated_draft,
+        speculative_method=method,
+        num_speculative_tokens=3,
         max_num_batched_tokens=20,  # long prompts prefill over several steps beside decodes
     )
     free0 = engine.allocator.num_free_blocks
@@ -93,7 +96,11 @@ def test_off_requests_never_run_the_draft(target, same_as_target):
 def test_preemption_and_prefix_hits_during_speculation_leak_nothing(target, unrelated_draft):
     """Thousands of accept/reject steps with preemption and cached prefixes: free count returns."""
     engine = make_engine(
-        target, unrelated_draft, num_kv_blocks=40, max_model_len=100, num_speculative_tokens=4,
+        target,
+        unrelated_draft,
+        num_kv_blocks=40,
+        max_model_len=100,
+        num_speculative_tokens=4,
         speculative_mode="on",
     )
     free0 = engine.allocator.num_free_blocks
@@ -101,10 +108,14 @@ def test_preemption_and_prefix_hits_during_speculation_leak_nothing(target, unre
     shared = torch.randint(2, 128, (12,), generator=g).tolist()
     total_steps = 0
     for round_ in range(6):
-        ps = [shared + torch.randint(2, 128, (int(n),), generator=g).tolist()
-              for n in torch.randint(1, 30, (8,), generator=g)]
-        params = [SamplingParams(temperature=t, max_tokens=40, ignore_eos=True, seed=round_ * 10 + i)
-                  for i, t in enumerate([0, 1.0] * 4)]
+        ps = [
+            shared + torch.randint(2, 128, (int(n),), generator=g).tolist()
+            for n in torch.randint(1, 30, (8,), generator=g)
+        ]
+        params = [
+            SamplingParams(temperature=t, max_tokens=40, ignore_eos=True, seed=round_ * 10 + i)
+            for i, t in enumerate([0, 1.0] * 4)
+        ]
         before = engine.num_steps
         engine.generate(ps, params)
         total_steps += engine.num_steps - before
@@ -115,8 +126,14 @@ def test_preemption_and_prefix_hits_during_speculation_leak_nothing(target, unre
 
 
 def test_identical_draft_greedy_spec_matches_with_preemption(target, same_as_target):
-    engine = make_engine(target, same_as_target, num_kv_blocks=30, max_model_len=90,
-                         speculative_mode="on", num_speculative_tokens=4)
+    engine = make_engine(
+        target,
+        same_as_target,
+        num_kv_blocks=30,
+        max_model_len=90,
+        speculative_mode="on",
+        num_speculative_tokens=4,
+    )
     ps = prompts()
     assert run_staggered(engine, ps, every=1) == expected(target, ps)
     assert engine.scheduler.num_preemptions > 0
@@ -125,8 +142,9 @@ def test_identical_draft_greedy_spec_matches_with_preemption(target, same_as_tar
 def test_max_tokens_inside_an_accepted_run(target, same_as_target):
     engine = make_engine(target, same_as_target, speculative_mode="on", num_speculative_tokens=4)
     for max_tokens in (1, 2, 3, 6, 7):
-        out = engine.generate(prompts(1), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                        ignore_eos=True))[0]
+        out = engine.generate(
+            prompts(1), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )[0]
         assert out.output_token_ids == expected(target, prompts(1), max_tokens)[0]
         assert out.finish_reason == "length"
 
@@ -137,14 +155,18 @@ def test_stop_token_inside_an_accepted_run(target, same_as_target):
     stop_tok = ref[stop_at]
     first = ref.index(stop_tok)
     engine = make_engine(target, same_as_target, speculative_mode="on", num_speculative_tokens=4)
-    out = engine.generate(prompts(1), SamplingParams(temperature=0, max_tokens=24,
-                                                    stop_token_ids=[stop_tok]))[0]
+    out = engine.generate(
+        prompts(1), SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok])
+    )[0]
     assert out.output_token_ids == ref[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     plain = make_engine(target, same_as_target, speculative_mode="off")
-    assert plain.generate(prompts(1), SamplingParams(temperature=0, max_tokens=24,
-                                                     stop_token_ids=[stop_tok]))[0].output_token_ids \
+    assert (
+        plain.generate(
+            prompts(1), SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok])
+        )[0].output_token_ids
         == out.output_token_ids
+    )
 
 
 def test_eos_inside_an_accepted_run(target, same_as_target):
@@ -153,7 +175,9 @@ def test_eos_inside_an_accepted_run(target, same_as_target):
     # Build engines whose eos is that token (eos ids come from the model config).
     target.config.eos_token_id = eos
     try:
-        engine = make_engine(target, same_as_target, speculative_mode="on", num_speculative_tokens=4)
+        engine = make_engine(
+            target, same_as_target, speculative_mode="on", num_speculative_tokens=4
+        )
         out = engine.generate(prompts(1), SamplingParams(temperature=0, max_tokens=24))[0]
     finally:
         target.config.eos_token_id = 1
@@ -174,8 +198,15 @@ def test_sampled_speculative_output_follows_the_target_distribution():
     prompt = [3, 5, 7]
 
     def run(mode, always_accept=False):
-        engine = make_engine(tgt, drf, speculative_mode=mode, num_speculative_tokens=3,
-                             max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=600)
+        engine = make_engine(
+            tgt,
+            drf,
+            speculative_mode=mode,
+            num_speculative_tokens=3,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            num_kv_blocks=600,
+        )
         if always_accept:
             import engine.llm_engine as le
 
@@ -191,8 +222,10 @@ def test_sampled_speculative_output_follows_the_target_distribution():
 
             le.rejection_sample = accept_all
         try:
-            params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s)
-                      for s in range(n)]
+            params = [
+                SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s)
+                for s in range(n)
+            ]
             outs = engine.generate([prompt] * n, params)
         finally:
             if always_accept:

@@ -1,0 +1,7 @@
+"""Reference implementations run by the same eval: transformers generate, plain and assisted."""
+
+from __future__ import annotations
+
+from evals.baselines.hf_generate import HFGenerateBaseline
+
+__all__ = ["HFGenerateBaseline"]

@@ -1,0 +1,309 @@
+"""Benchmark: plain vs fixed-k vs adaptive speculation, side by side, per concurrency and workload.
+
+One engine (target + draft loaded once) runs every arm at every point; arms differ only in the
+controller and the per-request speculation mode:
+
+    plain      requests speculative='off' (no draft forward ever runs)
+    fixed-k2   StaticController(2)
+    fixed-k4   StaticController(4)
+    adaptive   AdaptiveController, calibrated once at start-up, learning across the whole run
+
+Workloads: code prompts at temperature 0 (acceptance high) and open-ended prompts at temperature
+1.0 (acceptance lower). Every request generates exactly ``--max-tokens`` tokens (EOS ignored) so
+every arm does the same work. At concurrency c the driver keeps c requests in flight (closed loop)
+until ``--num-prompts`` have finished. Reported per point and arm: output throughput (tokens/s of
+wall time) and median / p99 over requests of time per output token (after the first token).
+
+Real pair (slow on a CPU: about an hour for the full sweep on two cores):
+
+    python -m evals.bench_controller
+
+Smoke run on tiny random models (a minute or two):
+
+    python -m evals.bench_controller --tiny --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import SpecStats
+from evals.bench_controller_report import write_markdown, write_plot
+from specdec.controller import AdaptiveController, build_controller
+from specdec.controller_base import SpeculationController, StaticController
+
+logger = logging.getLogger("bench_controller")
+
+ARMS = ("plain", "fixed-k2", "fixed-k4", "adaptive")
+CONCURRENCY = (1, 2, 4, 8, 16)
+OUT_DIR = Path("docs/results/controller")
+
+CODE_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Implement binary search over a sorted list in Python, returning the index or -1.",
+    "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+    "Write a function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "Implement merge sort in Python with type hints.",
+    "Write a Python function that counts word frequencies in a text and returns a dict.",
+    "Write a function that flattens an arbitrarily nested list of integers in Python.",
+    "Implement a least-recently-used cache class in Python with get and put.",
+    "Write a Python function that parses a CSV line with quoted fields into a list.",
+    "Write a function that returns all prime numbers below n using a sieve.",
+    "Implement a breadth-first search over an adjacency-list graph in Python.",
+    "Write a Python function that converts a Roman numeral string to an integer.",
+    "Write a function that merges two sorted lists into one sorted list in Python.",
+    "Implement a function that validates an IPv4 address string in Python.",
+    "Write a Python generator that yields sliding windows of size k over a list.",
+    "Write a function that computes the Levenshtein distance between two strings.",
+)
+OPEN_PROMPTS = (
+    "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe your ideal weekend in a small mountain town.",
+    "What would a city designed entirely for bicycles look like?",
+    "Write a letter from a cat to its owner about the new dog.",
+    "Imagine the first day of a colony on Mars and describe it.",
+    "Invent a new holiday and explain how people celebrate it.",
+    "Describe the taste of a fruit that does not exist.",
+    "Write a short poem about autumn rain in the city.",
+    "What might people in the year 2300 find strange about us?",
+    "Tell a fable about a fox, a crow and a clever snail.",
+    "Describe a market in a floating city at dawn.",
+    "Write the opening paragraph of a mystery novel set on a night train.",
+    "Explain why someone might love collecting old maps.",
+    "Describe a conversation between the sun and the moon.",
+    "Write a travel diary entry from an explorer of deep ocean caves.",
+    "Invent a board game and describe its rules briefly.",
+)
+WORKLOADS = {"code": (CODE_PROMPTS, 0.0), "open": (OPEN_PROMPTS, 1.0)}
+
+
+@dataclass
+class ArmResult:
+    workload: str
+    concurrency: int
+    arm: str
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+    throughput_tok_s: float
+    tpot_median_ms: float
+    tpot_p99_ms: float
+    acceptance_rate: float
+    mean_k: float  # drafts verified per decode step of a request
+    speculating_fraction: float  # share of decode steps that verified at least one draft
+    draft_forwards: int
+    controller: dict = field(default_factory=dict)
+
+
+def encode_prompts(engine: LLMEngine, prompts: tuple[str, ...], tiny: bool) -> list[list[int]]:
+    if tiny or engine.tokenizer is None:
+        # Tiny models have no tokenizer: fixed pseudo-prompts, repetitive for "code"-like text.
+        vocab = engine.target.arch.vocab_size
+        return [[(7 * i + 3 * j) % vocab for j in range(24)] for i in range(len(prompts))]
+    tok = engine.tokenizer
+    if tok.has_chat_template:
+        return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    return [tok.encode(p) for p in prompts]
+
+
+def run_arm(
+    engine: LLMEngine,
+    controller: SpeculationController,
+    arm: str,
+    workload: str,
+    prompts: list[list[int]],
+    temperature: float,
+    concurrency: int,
+    num_prompts: int,
+    max_tokens: int,
+) -> ArmResult:
+    """Closed loop: keep ``concurrency`` requests in flight until ``num_prompts`` finished."""
+    engine.controller = controller
+    speculative = "off" if arm == "plain" else "auto"
+    queue = [
+        (
+            f"{workload}-c{concurrency}-{arm}-{i}",
+            prompts[i % len(prompts)],
+            SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i),
+        )
+        for i in range(num_prompts)
+    ]
+    before = SpecStats()
+    before.merge(engine.spec_stats)
+    forwards0 = engine.proposer.num_forwards if engine.proposer is not None else 0
+    tpots: list[float] = []
+    out_tokens = in_flight = 0
+    start = time.perf_counter()
+    while queue or engine.has_unfinished():
+        while queue and in_flight < concurrency:
+            rid, prompt, params = queue.pop(0)
+            engine.add_request(rid, prompt, params, speculative=speculative)
+            in_flight += 1
+        for out in engine.step():
+            if not out.finished:
+                continue
+            in_flight -= 1
+            n = len(out.output_token_ids)
+            out_tokens += n
+            if n > 1 and out.first_token_time is not None and out.finish_time is not None:
+                tpots.append((out.finish_time - out.first_token_time) / (n - 1))
+    wall = time.perf_counter() - start
+    after = engine.spec_stats
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    decode_steps = after.num_target_steps - before.num_target_steps
+    spec_steps = after.num_spec_steps - before.num_spec_steps
+    forwards = (engine.proposer.num_forwards if engine.proposer is not None else 0) - forwards0
+    ctrl_stats = {}
+    if isinstance(controller, AdaptiveController):
+        s = controller.stats()
+        ctrl_stats = {k: v for k, v in s.items() if not isinstance(v, dict)}
+    return ArmResult(
+        workload=workload,
+        concurrency=concurrency,
+        arm=arm,
+        num_requests=num_prompts,
+        output_tokens=out_tokens,
+        wall_s=wall,
+        throughput_tok_s=out_tokens / wall if wall > 0 else 0.0,
+        tpot_median_ms=1e3 * float(np.median(tpots)) if tpots else float("nan"),
+        tpot_p99_ms=1e3 * float(np.percentile(tpots, 99)) if tpots else float("nan"),
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_k=drafted / decode_steps if decode_steps else 0.0,
+        speculating_fraction=spec_steps / decode_steps if decode_steps else 0.0,
+        draft_forwards=forwards,
+        controller=ctrl_stats,
+    )
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    common = dict(
+        num_speculative_tokens=4,
+        speculative_mode="auto",
+        max_num_seqs=max(args.concurrency),
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,  # arms reuse the same prompts: no arm may inherit a cache
+        controller_warmup=True,
+        seed=0,
+        num_threads=args.num_threads,
+    )
+    if args.tiny:
+        from evals.tiny_pair import tiny_pair
+
+        target, draft = tiny_pair()
+        cfg = EngineConfig(
+            model="tiny", draft_model="tiny-draft", device="cpu", dtype="float32",
+            num_kv_blocks=max(64, 4 * max(args.concurrency) * args.max_model_len // 16),
+            **common,
+        )  # fmt: skip
+        return LLMEngine(cfg, target=target, draft=draft, progress=False)
+    cfg = EngineConfig(
+        model=args.model,
+        draft_model=args.draft_model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        **common,
+    )
+    return LLMEngine(cfg)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=EngineConfig.model)
+    p.add_argument("--draft-model", default=EngineConfig.draft_model)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB for the KV pool")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["code", "open"])
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per point and arm (default: max(concurrency, 4))",
+    )
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 24 tokens")
+    p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
+    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    p.add_argument("--name", default=None, help="file stem (default bench_controller[_tiny])")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency = [c for c in args.concurrency if c in (1, 4)] or [1, 4]
+        args.max_tokens = min(args.max_tokens, 24)
+    args.name = args.name or ("bench_controller_tiny" if args.tiny else "bench_controller")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    engine = build_engine(args)
+    adaptive = build_controller(engine.config, engine)  # calibrates on this engine's models
+    controllers: dict[str, SpeculationController] = {
+        "plain": StaticController(4),
+        "fixed-k2": StaticController(2),
+        "fixed-k4": StaticController(4),
+        "adaptive": adaptive,
+    }
+    prompts = {w: encode_prompts(engine, WORKLOADS[w][0], args.tiny) for w in args.workloads}
+    # Warm-up (kernels, allocator, the adaptive controller's first live steps); not reported.
+    for w in args.workloads:
+        run_arm(engine, adaptive, "adaptive", f"warmup-{w}", prompts[w], WORKLOADS[w][1], 2, 2, 8)
+
+    results: list[ArmResult] = []
+    point = 0
+    for w in args.workloads:
+        for c in args.concurrency:
+            n = args.num_prompts or max(c, 4)
+            # Rotate the arm order per point so slow drift on a shared machine favours no arm.
+            order = args.arms[point % len(args.arms) :] + args.arms[: point % len(args.arms)]
+            point += 1
+            for arm in order:
+                r = run_arm(
+                    engine, controllers[arm], arm, w, prompts[w], WORKLOADS[w][1], c, n,
+                    args.max_tokens,
+                )  # fmt: skip
+                results.append(r)
+                logger.info(
+                    "%s c=%d %-9s %7.2f tok/s  tpot p50 %7.1f ms p99 %7.1f ms  acc %.2f  "
+                    "mean k %.2f  fwd %d",
+                    w, c, arm, r.throughput_tok_s, r.tpot_median_ms, r.tpot_p99_ms,
+                    r.acceptance_rate, r.mean_k, r.draft_forwards,
+                )  # fmt: skip
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": " ".join(["python -m evals.bench_controller", *(argv or sys.argv[1:])]),
+        "model": "tiny" if args.tiny else args.model,
+        "draft_model": "tiny-draft" if args.tiny else args.draft_model,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "total_seconds": time.perf_counter() - t0,
+        "controller_final": {k: v for k, v in adaptive.stats().items() if not isinstance(v, dict)},
+    }
+    rows = [asdict(r) for r in results]
+    json_path = args.out_dir / f"{args.name}.json"
+    json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    write_markdown(args.out_dir / f"{args.name}.md", meta, rows)
+    write_plot(args.out_dir / f"{args.name}.png", rows)
+    logger.info("wrote %s (.md, .png) in %.0f s", json_path, meta["total_seconds"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""Markdown table and PNG plot for evals/bench_controller.py results, with the issue's targets.
+
+Targets checked per point: adaptive within 5% of the best of plain / fixed-k throughput; adaptive
+never more than 3% slower than plain; at concurrency 1 on code, adaptive at least as fast as the
+best fixed k.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+ARM_ORDER = ("plain", "fixed-k2", "fixed-k4", "adaptive")
+
+
+def _points(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    points: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        points[(r["workload"], r["concurrency"])][r["arm"]] = r
+    return points
+
+
+def check_targets(workload: str, concurrency: int, arms: dict[str, dict]) -> dict[str, bool | None]:
+    """Pass/fail of each target at one point (None when an arm it needs was not run)."""
+    tp = {a: r["throughput_tok_s"] for a, r in arms.items()}
+    if "adaptive" not in tp:
+        return {}
+    others = [tp[a] for a in ("plain", "fixed-k2", "fixed-k4") if a in tp]
+    fixed = [tp[a] for a in ("fixed-k2", "fixed-k4") if a in tp]
+    out: dict[str, bool | None] = {
+        "within_5pct_of_best": tp["adaptive"] >= 0.95 * max(others) if others else None,
+        "not_3pct_slower_than_plain": tp["adaptive"] >= 0.97 * tp["plain"]
+        if "plain" in tp
+        else None,
+    }
+    if workload == "code" and concurrency == 1:
+        out["c1_code_at_least_best_fixed"] = tp["adaptive"] >= max(fixed) if fixed else None
+    return out
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
+    lines = [
+        "# Adaptive speculation controller: benchmark",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Target `{meta['model']}`, draft `{meta['draft_model']}`, {meta['max_tokens']} output "
+        f"tokens per request (EOS ignored), total run {meta['total_seconds']:.0f} s.",
+        "",
+        "Throughput in output tokens/s; TPOT = time per output token after the first, median and "
+        "p99 over requests, in ms. Checks: A = adaptive within 5% of the best arm, "
+        "B = adaptive not more than 3% slower than plain, C = (code, c=1) adaptive at least as "
+        "fast as the best fixed k.",
+        "",
+    ]
+    if meta["model"] == "tiny":
+        lines += [
+            "Tiny random models: this run shows the script works end to end; its timings say "
+            "nothing about the controller on real models.",
+            "",
+        ]
+    points = _points(rows)
+    for workload in sorted({w for w, _ in points}):
+        lines += [f"## {workload}", ""]
+        arms = [
+            a for a in ARM_ORDER if any(a in v for (w, _), v in points.items() if w == workload)
+        ]
+        head = ["c"] + [f"{a} tok/s" for a in arms] + [f"{a} TPOT p50/p99" for a in arms]
+        head += ["adaptive mean k (spec %)", "accept (k4)", "checks"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for (w, c), by_arm in sorted(points.items()):
+            if w != workload:
+                continue
+            cells = [str(c)]
+            cells += [f"{by_arm[a]['throughput_tok_s']:.2f}" if a in by_arm else "-" for a in arms]
+            cells += [
+                f"{by_arm[a]['tpot_median_ms']:.0f}/{by_arm[a]['tpot_p99_ms']:.0f}"
+                if a in by_arm
+                else "-"
+                for a in arms
+            ]
+            ad = by_arm.get("adaptive")
+            cells.append(f"{ad['mean_k']:.2f} ({ad['speculating_fraction']:.0%})" if ad else "-")
+            k4 = by_arm.get("fixed-k4")
+            cells.append(f"{k4['acceptance_rate']:.2f}" if k4 else "-")
+            checks = check_targets(w, c, by_arm)
+            marks = {"within_5pct_of_best": "A", "not_3pct_slower_than_plain": "B"}
+            marks["c1_code_at_least_best_fixed"] = "C"
+            cells.append(
+                " ".join(
+                    f"{marks[k]}{'✓' if v else '✗'}" for k, v in checks.items() if v is not None
+                )
+            )
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    final = meta.get("controller_final", {})
+    if final:
+        lines += ["## Adaptive controller at the end of the run", "", "```"]
+        lines += [f"{k}: {v}" for k, v in final.items()]
+        lines += ["```", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = _points(rows)
+    workloads = sorted({w for w, _ in points})
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False)
+    for row, workload in enumerate(workloads):
+        conc = sorted(c for w, c in points if w == workload)
+        for arm in ARM_ORDER:
+            xs = [c for c in conc if arm in points[(workload, c)]]
+            if not xs:
+                continue
+            tp = [points[(workload, c)][arm]["throughput_tok_s"] for c in xs]
+            tpot = [points[(workload, c)][arm]["tpot_median_ms"] for c in xs]
+            style = {"linewidth": 2.5} if arm == "adaptive" else {"linestyle": "--"}
+            axes[row][0].plot(xs, tp, marker="o", label=arm, **style)
+            axes[row][1].plot(xs, tpot, marker="o", label=arm, **style)
+        for col, ylabel in enumerate(("output tokens / s", "median time per output token (ms)")):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(conc, [str(c) for c in conc])
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{workload}")
+            ax.grid(alpha=0.3)
+        axes[row][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""`specdec eval` and `specdec bench` sub-commands."""

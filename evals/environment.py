@@ -1,0 +1,41 @@
+"""What machine and software produced a result, recorded next to the numbers."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_info() -> dict:
+    import torch
+
+    info = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def command_line() -> str:
+    """The invocation as a `specdec ...` command (argv[0] is the entry point or a module)."""
+    return shlex.join(["specdec", *sys.argv[1:]])

@@ -1,0 +1,146 @@
+"""Acceptance estimates: per sequence, per draft position, as decayed averages with a prior.
+
+Positions are *conditional*: ``a_j`` is the chance that draft j is accepted given that drafts
+1..j-1 were. A verify of k drafts with m accepted observes positions 1..m as accepted and, when
+m < k, position m+1 as rejected; later positions were never judged and are left alone. Expected
+tokens committed by one verify of k drafts (the bonus or corrected token included)::
+
+    E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i        (= (1 - a^(k+1)) / (1 - a) when all a_i = a)
+
+Each estimate is a decayed count ratio with pseudo-counts at a guess::
+
+    a_j = (hits_j + m * guess_j) / (trials_j + m)
+
+where hits/trials decay by a factor per verify (an exponential moving average that knows how much
+data it holds; positions not reached by a verify decay too, so stale evidence fades). For a sequence the guess is the engine-wide estimate
+for the same proposer, so a new sequence starts at the engine's average and moves to its own
+numbers after a handful of verifies. Past position 1 the guess is the estimate one position
+earlier (for the sequence and for the engine alike), so a position drafted to rarely or not lately
+looks like the deepest one measured - neither stuck at an old value nor at the start-up value -
+and a controller holding k low is not kept there by a stale guess about the positions above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_MAX_ACCEPTANCE = 0.999  # an estimate never claims certainty: one rejection must still count
+
+
+def _clip(a: float) -> float:
+    return min(max(a, 0.0), _MAX_ACCEPTANCE)
+
+
+class PositionCounts:
+    """Decayed (hits, trials) per draft position (plain lists: k_max is at most 16)."""
+
+    def __init__(self, k_max: int, decay: float) -> None:
+        self.decay = decay
+        self.hits = [0.0] * k_max
+        self.trials = [0.0] * k_max
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        # Every position ages on every verify, judged or not: evidence about a position the
+        # sequence no longer drafts to fades back to the guess instead of freezing forever.
+        judged = min(num_accepted + 1, num_drafted, len(self.hits))
+        for j in range(len(self.hits)):
+            self.hits[j] = self.decay * self.hits[j] + (
+                1.0 if j < min(num_accepted, judged) else 0.0
+            )
+            self.trials[j] = self.decay * self.trials[j] + (1.0 if j < judged else 0.0)
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E(k) above for conditional per-position acceptance ``acceptance`` (length >= k)."""
+    return expected_tokens_table(acceptance[:k])[-1]
+
+
+def expected_tokens_table(acceptance: Sequence[float]) -> list[float]:
+    """[len + 1]: E(0), E(1), ..., E(len(acceptance))."""
+    table, reach, total = [1.0], 1.0, 1.0
+    for a in acceptance:
+        reach *= a  # chance that every draft up to this one is accepted
+        total += reach
+        table.append(total)
+    return table
+
+
+class AcceptanceTracker:
+    """Per-sequence estimates with an engine-wide prior per proposer.
+
+    Args:
+        k_max: longest draft tracked.
+        proposer: name of the proposer whose prior new sequences inherit.
+        initial: prior acceptance per position before any verify was seen.
+        seq_decay: per-observation decay of a sequence's counts (0.9: about the last 10 verifies).
+        prior_decay: per-observation decay of the engine-wide counts (slower: many sequences).
+        strength: pseudo-counts of the guess in every ratio.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        proposer: str = "draft_model",
+        initial: float = 0.7,
+        seq_decay: float = 0.9,
+        prior_decay: float = 0.995,
+        strength: float = 2.0,
+    ) -> None:
+        self.k_max = k_max
+        self.proposer = proposer
+        self.initial = initial
+        self.seq_decay = seq_decay
+        self.prior_decay = prior_decay
+        self.strength = strength
+        self._priors: dict[str, PositionCounts] = {}
+        self._seqs: dict[int, PositionCounts] = {}
+
+    def _prior_counts(self, proposer: str) -> PositionCounts:
+        if proposer not in self._priors:
+            self._priors[proposer] = PositionCounts(self.k_max, self.prior_decay)
+        return self._priors[proposer]
+
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
+        """Record one verify of ``num_drafted`` drafts of which the first ``num_accepted`` held."""
+        if num_drafted <= 0:
+            return
+        if seq_id not in self._seqs:
+            self._seqs[seq_id] = PositionCounts(self.k_max, self.seq_decay)
+        self._seqs[seq_id].update(num_drafted, num_accepted)
+        self._prior_counts(self.proposer).update(num_drafted, num_accepted)
+
+    def prior(self) -> list[float]:
+        """[k_max] engine-wide conditional acceptance per position for this proposer.
+
+        Position 1's guess is ``initial``; position j's is the estimate at j-1, so a position no
+        verify has reached yet looks like the deepest one measured rather than like a constant.
+        """
+        counts = self._prior_counts(self.proposer)
+        est, guess, m = [], self.initial, self.strength
+        for hits, trials in zip(counts.hits, counts.trials, strict=True):
+            guess = (hits + m * guess) / (trials + m)
+            est.append(_clip(guess))
+        return est
+
+    def estimate(self, seq_id: int, prior: list[float] | None = None) -> list[float]:
+        """[k_max] conditional acceptance per position for one sequence (``prior``: a cached
+        ``self.prior()``, so a batch computes it once)."""
+        prior = self.prior() if prior is None else prior
+        counts = self._seqs.get(seq_id)
+        if counts is None:
+            return list(prior)
+        m, est, guess = self.strength, [], prior[0]
+        for hits, trials in zip(counts.hits, counts.trials, strict=True):
+            guess = _clip((hits + m * guess) / (trials + m))
+            est.append(guess)
+        return est
+
+    def num_trials(self, seq_id: int) -> float:
+        counts = self._seqs.get(seq_id)
+        return float(counts.trials[0]) if counts is not None else 0.0
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def tracked(self) -> list[int]:
+        return list(self._seqs)

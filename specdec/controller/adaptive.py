@@ -1,0 +1,369 @@
+"""AdaptiveController: k per sequence per step from measured acceptance and measured step cost.
+
+Each step (``choose_k``):
+
+1. every decode-ready sequence gets its expected-tokens table E(0..k) from its acceptance estimate
+   and a draft catch-up cost; 'on' sequences are pinned at k_max and 'off' ones at 0;
+2. the batch goodput (``goodput``) is maximised over the 'auto' sequences, starting from the
+   decision held from the last step, from all-off and from every uniform k;
+3. hysteresis: the new assignment replaces the held one only if it beats it by ``margin`` times
+   the share of the batch whose k changes, so one sequence's noisy estimate cannot flip the batch
+   and the whole batch cannot flip on a change worth less than ``margin``;
+4. a sequence held at k = 0 has no new acceptance data, so now and then (after ``probe_every``
+   steps, doubling after each poor probe, back to ``probe_every`` after a promising one) it
+   drafts ``probe_k`` tokens for one step - but only when speculation could pay for it at a high
+   acceptance under the current cost model, the draft's catch-up on the tokens it skipped
+   included, so a batch that is off because verifying (or catching up) is expensive is not probed
+   for nothing. Probes fall on multiples of ``probe_every`` so probing sequences share forwards;
+5. a batch that keeps speculating runs one step plain now and then when the cost fit has not
+   seen a plain step of that size lately, so a cost curve that flatters verification is corrected.
+
+``observe`` feeds acceptance counts to the tracker and (target, draft) times to the cost model.
+Decisions depend only on those measurements, never on the wall clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from engine.sequence import Sequence
+from specdec.controller.acceptance import AcceptanceTracker, expected_tokens_table
+from specdec.controller.cost_model import CostModel
+from specdec.controller.goodput import BatchGoodput, SeqTerms
+from specdec.controller_base import StepObservation
+
+logger = logging.getLogger(__name__)
+
+_FORGET_AFTER = 1024  # decisions without seeing a sequence before its state is dropped
+PROBE_PAYBACK_STEPS = 8  # steps of speculation over which a probe's draft catch-up must pay off
+
+
+@dataclass(frozen=True)
+class AdaptiveParams:
+    margin: float = 0.05  # relative goodput gain needed to change the held decision
+    probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
+    probe_max_interval: int = 256
+    probe_k: int = 2
+    probe_acceptance: float = 0.9  # a probe must be able to pay off at this acceptance
+    cost_probe_every: int = 32  # how often to check the fit has seen a plain step of this size
+    prefill_ema: float = 0.5  # weight of the newest step in the prefill-rows estimate
+    log_every: int = 100  # debug log line every this many observed steps (0: never)
+
+
+@dataclass
+class _SeqState:
+    request_id: str
+    k: int = 0  # held decision (a probe does not change it)
+    zero_since: int = 0  # decision index when it was last set to 0 (or last probed)
+    probe_interval: int = 16
+    probing: bool = False
+    probe_promising: bool = False  # every draft of the last probe was accepted
+    last_seen: int = 0
+
+
+@dataclass
+class _Decision:
+    ks: list[int] = field(default_factory=list)
+    goodput: float = 0.0  # predicted tokens / s
+    step_time: float = 0.0  # predicted seconds
+
+
+class AdaptiveController:
+    """Implements ``SpeculationController``; see the module docstring for the decision rule.
+
+    Args:
+        k_max: longest draft (the engine's num_speculative_tokens).
+        cost: step-cost model (seeded by calibration or default coefficients).
+        acceptance: per-sequence acceptance tracker.
+        params: hysteresis, probing and logging knobs.
+        per_position_forwards: True for a draft model (one forward per drafted position), False
+            for a lookup proposer that drafts every position at once.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        cost: CostModel | None = None,
+        acceptance: AcceptanceTracker | None = None,
+        params: AdaptiveParams | None = None,
+        per_position_forwards: bool = True,
+    ) -> None:
+        self.k_max = k_max
+        self.cost = cost or CostModel()
+        self.acceptance = acceptance or AcceptanceTracker(k_max)
+        self.params = params or AdaptiveParams()
+        self.per_position_forwards = per_position_forwards
+        self._states: dict[int, _SeqState] = {}
+        self._num_decisions = 0
+        self._num_observed = 0
+        self._last = _Decision()
+        self._ready: dict[int, int] = {}  # seq_id -> raw draft catch-up rows, this step
+        self._ready_fresh = False
+        self.extra_tokens = 0.0  # estimated non-decode (prefill) rows per step
+        self.extra_seqs = 0.0
+        self.num_probes = 0
+        self.num_cost_probes = 0
+        self.num_changes = 0
+
+    # ---- decision ---------------------------------------------------------------------------
+    def choose_k(self, seqs: list[Sequence]) -> list[int]:
+        self._num_decisions += 1
+        now = self._num_decisions
+        prior = self.acceptance.prior()
+        terms = [self._terms(seq, prior) for seq in seqs]
+        self._ready = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
+        self._ready_fresh = True
+        batch = BatchGoodput(
+            terms,
+            self.cost,
+            self.k_max,
+            self.extra_tokens,
+            self.extra_seqs,
+            self.per_position_forwards,
+        )
+        held = self._held(seqs, terms, batch)
+        v_held = batch.assign(held)
+        starts = [held, [0] * len(seqs)] + [[k] * len(seqs) for k in range(1, self.k_max + 1)]
+        best, v_best = batch.search(starts)
+        changed = sum(a != b for a, b in zip(best, held, strict=True)) / max(1, len(seqs))
+        chosen = best if v_best > v_held * (1.0 + self.params.margin * changed) else held
+        batch.assign(chosen)
+        out = list(chosen)
+        probes: list[int] = []
+        p = self.params
+        if now % p.probe_every == 0:
+            probes = self._probes(seqs, terms, batch, chosen, prior, out)
+        elif now % p.cost_probe_every == p.cost_probe_every // 4:
+            self._cost_probe(seqs, terms, out)
+        batch.assign(out)  # the predicted step below is the one that will run
+        self._update_states(seqs, chosen, set(probes))
+        self._last = _Decision(out, batch.value(), batch.step_time())
+        self._forget_stale()
+        return out
+
+    def _terms(self, seq: Sequence, prior: list[float]) -> SeqTerms:
+        room = self._max_useful_k(seq)
+        gains = expected_tokens_table(self.acceptance.estimate(seq.seq_id, prior)[:room])
+        fixed = None
+        if seq.spec_mode == "off":
+            fixed = 0
+        elif seq.spec_mode == "on":
+            fixed = room
+        raw = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
+        # The draft must read a whole prompt (or everything since it last drafted) once; charge
+        # that to this step only in proportion, as it buys speculation for the rest of the reply.
+        remaining = self._remaining_tokens(seq)
+        catchup = float(raw) if raw <= 2 else 2.0 + (raw - 2) * min(1.0, 2.0 / max(1, remaining))
+        return SeqTerms(gains, catchup, fixed)
+
+    def _remaining_tokens(self, seq: Sequence) -> int:
+        if seq.params.max_tokens is None:
+            return 256
+        return max(1, seq.params.max_tokens - seq.num_output_tokens)
+
+    def _max_useful_k(self, seq: Sequence) -> int:
+        # Drafts beyond max_tokens can never be committed (the scheduler clips them too).
+        return max(0, min(self.k_max, self._remaining_tokens(seq) - 1))
+
+    def _held(self, seqs: list[Sequence], terms: list[SeqTerms], batch: BatchGoodput) -> list[int]:
+        """Last step's decisions; sequences new to the controller join at their best k."""
+        held, new = [], []
+        for i, seq in enumerate(seqs):
+            st = self._states.get(seq.seq_id)
+            if st is None:
+                new.append(i)
+            held.append(0 if st is None else st.k)
+        batch.assign(batch.clamp(held))
+        for i in new:
+            if terms[i].fixed_k is None:
+                batch.set(i, batch.best_move(i))
+        return list(batch.ks)
+
+    def _probes(
+        self,
+        seqs: list[Sequence],
+        terms: list[SeqTerms],
+        batch: BatchGoodput,
+        chosen: list[int],
+        prior: list[float],
+        out: list[int],
+    ) -> list[int]:
+        """Sequences due for a probe that could pay off, judged together (they share forwards).
+        Sets their k in ``out`` and returns their indices."""
+        now, p = self._num_decisions, self.params
+        due = []
+        for i, seq in enumerate(seqs):
+            st = self._states.get(seq.seq_id)
+            if terms[i].fixed_k is not None or chosen[i] > 0 or terms[i].max_k == 0 or st is None:
+                continue
+            if now - st.zero_since >= st.probe_interval:
+                due.append(i)
+        if not due:
+            return []
+        # Would the due sequences be worth drafting for if their acceptance were high? Ask the
+        # same objective with everything else pinned where it is.
+        what_if = list(terms)
+        for i, t in enumerate(terms):
+            what_if[i] = replace(t, fixed_k=chosen[i])
+        for i in due:
+            est = self.acceptance.estimate(seqs[i].seq_id, prior)
+            optimistic = [max(a, p.probe_acceptance) for a in est[: terms[i].max_k]]
+            gains = expected_tokens_table(optimistic)
+            # A probe pays the draft's catch-up now; only a short run of good steps may repay it.
+            raw = self._ready[seqs[i].seq_id]
+            catchup = float(raw) if raw <= 2 else 2.0 + (raw - 2) / PROBE_PAYBACK_STEPS
+            what_if[i] = SeqTerms(gains, catchup, None)
+        trial = BatchGoodput(
+            what_if,
+            self.cost,
+            self.k_max,
+            batch.extra_tokens,
+            batch.num_seqs - len(terms),
+            self.per_position_forwards,
+        )
+        trial.assign(chosen)
+        trial.search([chosen, [self.k_max] * len(chosen)], refine=2)
+        probes = [i for i in due if trial.ks[i] > 0]
+        for i in probes:
+            out[i] = min(p.probe_k, terms[i].max_k)
+        self.num_probes += len(probes)
+        return probes
+
+    def _cost_probe(self, seqs: list[Sequence], terms: list[SeqTerms], out: list[int]) -> None:
+        """Run a speculating step plain when the fit has not seen a plain step of this size lately.
+
+        A batch that always speculates never measures its plain step time, so a cost curve that
+        flatters verification would never be corrected by the steps it chooses. (The other side
+        needs no such step: calibration and prefill chunks supply steps with many rows, and a
+        forced draft after a long k = 0 spell would pay the draft's whole catch-up.) ``out`` is
+        updated in place.
+        """
+        auto = [i for i, t in enumerate(terms) if t.fixed_k is None and out[i] > 0]
+        n_plain = len(seqs) + self.extra_tokens
+        if not auto or self.cost.has_target_sample(0.8 * n_plain, 1.25 * n_plain):
+            return
+        for i in auto:
+            out[i] = 0
+        self.num_cost_probes += 1
+
+    def _update_states(self, seqs: list[Sequence], chosen: list[int], probes: set[int]) -> None:
+        now, p = self._num_decisions, self.params
+        for i, seq in enumerate(seqs):
+            st = self._states.get(seq.seq_id)
+            if st is None:
+                st = _SeqState(seq.request_id, k=-1, zero_since=now, probe_interval=p.probe_every)
+                self._states[seq.seq_id] = st
+            k = chosen[i]
+            if st.probing and k == 0:
+                # Not back on yet. A promising probe is repeated soon (one probe is little
+                # evidence against a long history); a poor one makes the next wait longer.
+                if st.probe_promising:
+                    st.probe_interval = p.probe_every
+                else:
+                    st.probe_interval = min(2 * st.probe_interval, p.probe_max_interval)
+            st.probing = i in probes
+            if k > 0:
+                st.probe_interval = p.probe_every
+            if (k == 0 and st.k != 0) or st.probing:
+                st.zero_since = now
+            if st.k >= 0 and k != st.k:
+                self.num_changes += 1
+            st.k = k
+            st.last_seen = now
+
+    def _forget_stale(self) -> None:
+        now = self._num_decisions
+        for seq_id in [i for i, st in self._states.items() if now - st.last_seen > _FORGET_AFTER]:
+            self._forget(seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+        self.acceptance.forget(seq_id)
+
+    # ---- measurements -----------------------------------------------------------------------
+    def observe(self, obs: StepObservation) -> None:
+        self._num_observed += 1
+        for o in obs.outcomes:
+            if o.num_drafted > 0:
+                self.acceptance.observe(o.seq.seq_id, o.num_drafted, o.num_accepted)
+                st = self._states.get(o.seq.seq_id)
+                if st is not None and st.probing:
+                    st.probe_promising = o.num_accepted == o.num_drafted
+        forwards = obs.draft_forwards or self._reconstruct_forwards(obs)
+        if forwards and obs.draft_time > 0:
+            self.cost.observe_draft(forwards, obs.draft_time)
+        self.cost.observe_target(
+            obs.num_target_tokens, obs.num_seqs, max(obs.step_time - obs.draft_time, 1e-9)
+        )
+        self._observe_prefill(obs)
+        for o in obs.outcomes:
+            if o.seq.is_finished:
+                self._forget(o.seq.seq_id)
+        self._ready_fresh = False
+        every = self.params.log_every
+        if every and self._num_observed % every == 0 and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("speculation controller: %s", self.summary())
+
+    def _reconstruct_forwards(self, obs: StepObservation) -> list[tuple[int, int]]:
+        """Draft forwards implied by the drafts verified, when the engine did not report them."""
+        drafted = [o for o in obs.outcomes if o.num_drafted > 0]
+        if not drafted:
+            return []
+        if not self.per_position_forwards:
+            return [(sum(o.num_drafted for o in drafted), len(drafted))]
+        rows0 = sum(self._ready.get(o.seq.seq_id, 1) for o in drafted)
+        forwards = []
+        for j in range(max(o.num_drafted for o in drafted)):
+            seqs = sum(o.num_drafted > j for o in drafted)
+            forwards.append((rows0 if j == 0 else seqs, seqs))
+        return forwards
+
+    def _observe_prefill(self, obs: StepObservation) -> None:
+        """Track the rows of the step that were not decodes (prefill chunks) as a moving average."""
+        ready = self._ready if self._ready_fresh else {}
+        decodes = [o for o in obs.outcomes if o.seq.seq_id in ready]
+        rows = obs.num_target_tokens - sum(1 + o.num_drafted for o in decodes)
+        seqs = obs.num_seqs - len(decodes)
+        w = self.params.prefill_ema
+        self.extra_tokens = (1 - w) * self.extra_tokens + w * max(0, rows)
+        self.extra_seqs = (1 - w) * self.extra_seqs + w * max(0, seqs)
+
+    # ---- visibility -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        ks = self._last.ks
+        n = len(ks)
+        prior = self.acceptance.prior()
+        first = [self.acceptance.estimate(i, prior)[0] for i in self.acceptance.tracked()]
+        by_request = {
+            st.request_id: [round(a, 3) for a in self.acceptance.estimate(seq_id, prior)]
+            for seq_id, st in list(self._states.items())[:32]
+        }
+        return {
+            "mean_k": sum(ks) / n if n else 0.0,
+            "speculating_fraction": sum(k > 0 for k in ks) / n if n else 0.0,
+            "num_decode_seqs": n,
+            "predicted_goodput_tokens_per_s": self._last.goodput,
+            "predicted_step_time_s": self._last.step_time,
+            "prefill_rows_estimate": self.extra_tokens,
+            "num_probes": self.num_probes,
+            "num_cost_probes": self.num_cost_probes,
+            "num_decision_changes": self.num_changes,
+            "acceptance_prior": [round(a, 4) for a in prior],
+            "mean_acceptance": sum(first) / len(first) if first else prior[0],
+            "acceptance_by_request": by_request,
+            **{f"cost_{k}": v for k, v in self.cost.to_dict().items()},
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        return (
+            f"mean_k={s['mean_k']:.2f} speculating={s['speculating_fraction']:.2f} "
+            f"seqs={s['num_decode_seqs']} acc_prior={s['acceptance_prior']} "
+            f"acc_mean={s['mean_acceptance']:.3f} target={s['cost_target_base_s'] * 1e3:.2f}ms"
+            f"+{s['cost_target_per_token_s'] * 1e3:.3f}ms/tok(knee {s['cost_target_knee_tokens']:.0f},"
+            f" then {s['cost_target_per_token_above_knee_s'] * 1e3:.3f}ms/tok)"
+            f" draft={s['cost_draft_per_forward_s'] * 1e3:.2f}ms/fwd"
+            f"+{s['cost_draft_per_row_s'] * 1e3:.3f}ms/row "
+            f"goodput={s['predicted_goodput_tokens_per_s']:.1f}tok/s probes={s['num_probes']}"
+        )

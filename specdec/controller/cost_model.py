@@ -1,0 +1,332 @@
+"""Online step-cost model: how long a step takes for a given batch shape, fitted from measurements.
+
+Target part (everything in a step except draft forwards, so sampling and bookkeeping included)::
+
+    T(n, s) = base + per_seq * s + slope_low * min(n, knee) + slope_high * max(0, n - knee)
+
+with ``n`` the rows in the target forward (prefill chunks + decodes + verify rows) and ``s`` the
+sequences in it. The knee is where batched rows stop being almost free: on a GPU the forward is
+bound by reading the weights until the matrix products fill the device, so ``slope_low`` is tiny
+and ``slope_high`` is not; on a CPU the knee sits where the linear-layer kernel turns compute-bound,
+at a much smaller ``n``. Which knee fits is chosen from a grid by weighted squared error.
+
+Draft part: a step runs one draft forward per drafted position, each costing::
+
+    D(rows, seqs) = per_forward + per_row * rows + per_seq * seqs
+
+(rows > seqs only in the first forward, which catches the draft up on unseen tokens).
+
+Fitting is weighted least squares of *relative* errors (timing noise is multiplicative, and a
+short decode step matters as much as a long prefill step) over a window of recent steps, weights
+decaying with age, one Huber re-weighting pass against outliers (a shared machine has them),
+non-negative coefficients,
+and a weak ridge pull towards the prior coefficients so collinear features (rows and seqs move
+together when every sequence drafts alike) stay at sensible values. Calibration samples stay in
+the fit as anchors with an indicator column of their own, which absorbs the bookkeeping that a bare
+forward does not pay, so anchors pin the slopes where live steps have not reached yet without
+biasing the intercept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+# Knees tried when fitting (rows in the target forward). Beyond the data a knee means "linear".
+KNEE_GRID = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+_HUBER_K = 2.5  # residuals beyond this many robust sigmas get down-weighted
+_MIN_TIME = 1e-6  # seconds: predicted times never go below this
+
+
+@dataclass(frozen=True)
+class TargetCost:
+    """Seconds for the non-draft part of a step; see the module docstring."""
+
+    base: float
+    per_seq: float
+    slope_low: float
+    knee: float
+    slope_high: float
+
+    def __call__(self, num_tokens: float, num_seqs: float) -> float:
+        low = min(num_tokens, self.knee)
+        high = max(0.0, num_tokens - self.knee)
+        t = self.base + self.per_seq * num_seqs + self.slope_low * low + self.slope_high * high
+        return max(t, _MIN_TIME)
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Seconds for one draft forward over ``rows`` token rows of ``seqs`` sequences."""
+
+    per_forward: float
+    per_row: float
+    per_seq: float
+
+    def __call__(self, rows: float, seqs: float) -> float:
+        return self.per_forward + self.per_row * rows + self.per_seq * seqs
+
+
+# Placeholder coefficients used only until calibration or live steps say otherwise: a draft forward
+# about a quarter of a target decode, verify rows cheap up to 64 rows. Weak prior, quickly replaced.
+DEFAULT_TARGET = TargetCost(base=0.02, per_seq=2e-4, slope_low=2e-4, knee=64, slope_high=2e-3)
+DEFAULT_DRAFT = DraftCost(per_forward=5e-3, per_row=1e-4, per_seq=1e-4)
+
+
+@dataclass
+class TargetSample:
+    num_tokens: int
+    num_seqs: int
+    seconds: float
+    calibration: bool = False
+
+
+@dataclass
+class DraftSample:
+    """One step's draft work (or one calibration forward): forwards and their summed shapes."""
+
+    num_forwards: int
+    rows: int
+    seqs: int
+    seconds: float
+    calibration: bool = False
+
+
+def _target_features(samples: Sequence[TargetSample], knee: float) -> np.ndarray:
+    n = np.array([s.num_tokens for s in samples], dtype=np.float64)
+    return np.column_stack(
+        [
+            np.ones_like(n),
+            np.array([s.num_seqs for s in samples], dtype=np.float64),
+            np.minimum(n, knee),
+            np.maximum(0.0, n - knee),
+            np.array([s.calibration for s in samples], dtype=np.float64),
+        ]
+    )  # [num_samples, 5]
+
+
+def _draft_features(samples: Sequence[DraftSample]) -> np.ndarray:
+    f = np.array([s.num_forwards for s in samples], dtype=np.float64)
+    return np.column_stack(
+        [
+            f,
+            np.array([s.rows for s in samples], dtype=np.float64),
+            np.array([s.seqs for s in samples], dtype=np.float64),
+            f * np.array([s.calibration for s in samples], dtype=np.float64),
+        ]
+    )  # [num_samples, 4]
+
+
+def fit_nonneg_ridge(
+    x: np.ndarray,  # [m, p] features
+    y: np.ndarray,  # [m] seconds
+    w: np.ndarray,  # [m] sample weights
+    prior: np.ndarray,  # [p] coefficients pulled towards
+    ridge: float,
+    nonneg: np.ndarray,  # [p] bool: coefficient must be >= 0
+) -> tuple[np.ndarray, float]:
+    """Minimise sum_i w_i (y_i - x_i.b)^2 + sum_j lam_j (b_j - c prior_j)^2 with b_j >= 0 where asked.
+
+    c is the scalar that best fits the data with the prior's shape (least squares of y on
+    x.prior): with little data the fit keeps the prior's shape at the data's level instead of
+    piling a mismatch onto whichever coefficients the ridge finds cheapest. lam_j = ridge *
+    (weighted mean of x_j^2): ``ridge`` reads as a number of pseudo-observations sitting at the
+    prior, whatever the feature's units. Non-negativity by active set: a negative coefficient is
+    pinned at 0 and the rest re-solved. Returns (coefficients, weighted SSE).
+    """
+    p = x.shape[1]
+    sw = float(w.sum()) or 1.0
+    shape = x @ prior  # [m]
+    denom = float((w * shape * shape).sum())
+    if denom > 0:
+        prior = prior * min(max(float((w * shape * y).sum()) / denom, 1e-3), 1e3)
+    xtwx = x.T @ (x * w[:, None])
+    xtwy = x.T @ (w * y)
+    lam = ridge * np.maximum(np.diag(xtwx) / sw, 1e-12)
+    free = np.ones(p, dtype=bool)
+    b = np.zeros(p)
+    for _ in range(p + 1):
+        b = np.zeros(p)
+        idx = np.flatnonzero(free)
+        a = xtwx[np.ix_(idx, idx)] + np.diag(lam[idx])
+        rhs = xtwy[idx] + lam[idx] * prior[idx]
+        try:
+            b[idx] = np.linalg.solve(a, rhs)
+        except np.linalg.LinAlgError:
+            b[idx] = np.linalg.lstsq(a, rhs, rcond=None)[0]
+        negative = free & nonneg & (b < 0)
+        if not negative.any():
+            break
+        free &= ~negative
+    resid = y - x @ b
+    return b, float((w * resid * resid).sum())
+
+
+def _huber_weights(resid: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Down-weight outliers: weight * min(1, k sigma / |r|), sigma from the median |residual|."""
+    a = np.abs(resid)
+    sigma = 1.4826 * float(np.median(a)) if a.size else 0.0
+    if sigma <= 0:
+        return w
+    return w * np.minimum(1.0, _HUBER_K * sigma / np.maximum(a, 1e-300))
+
+
+class CostModel:
+    """Predicts step time from batch shape; refitted from observed steps every few observations.
+
+    ``observe_target`` / ``observe_draft`` add live samples to a sliding window (newest weight 1,
+    older ones decaying by ``decay`` per sample); ``seed`` adds calibration anchors and refits.
+    """
+
+    def __init__(
+        self,
+        target: TargetCost = DEFAULT_TARGET,
+        draft: DraftCost = DEFAULT_DRAFT,
+        window: int = 512,
+        decay: float = 0.995,
+        ridge: float = 0.5,
+        anchor_weight: float = 2.0,
+        refit_every: int = 8,
+        knee_every: int = 64,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.prior_target = target
+        self.prior_draft = draft
+        self.calibration_offset = 0.0  # fitted: live step minus bare forward, target side
+        self.draft_calibration_offset = 0.0
+        self.window = window
+        self.decay = decay
+        self.ridge = ridge
+        self.anchor_weight = anchor_weight
+        self.refit_every = refit_every
+        self.knee_every = knee_every
+        self._target_live: deque[TargetSample] = deque(maxlen=window)
+        self._draft_live: deque[DraftSample] = deque(maxlen=window)
+        self._target_anchors: list[TargetSample] = []
+        self._draft_anchors: list[DraftSample] = []
+        self.num_observations = 0
+        self.num_fits = 0
+        self._since_fit = 0
+
+    # ---- prediction -------------------------------------------------------------------------
+    def target_time(self, num_tokens: float, num_seqs: float) -> float:
+        return self.target(num_tokens, num_seqs)
+
+    def draft_time(self, forwards: Sequence[tuple[int, int]]) -> float:
+        """Seconds for these draft forwards, each (rows, seqs); no forwards cost nothing."""
+        return sum(self.draft(rows, seqs) for rows, seqs in forwards)
+
+    # ---- data -------------------------------------------------------------------------------
+    def seed(self, target: Sequence[TargetSample], draft: Sequence[DraftSample]) -> None:
+        """Install calibration samples as anchors and refit, choosing the knee from scratch."""
+        self._target_anchors = [replace(s, calibration=True) for s in target]
+        self._draft_anchors = [replace(s, calibration=True) for s in draft]
+        self.refit(search_knee=True)
+        self.prior_target, self.prior_draft = self.target, self.draft
+
+    def observe_target(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        self._target_live.append(TargetSample(num_tokens, num_seqs, seconds))
+        self._tick()
+
+    def observe_draft(self, forwards: Sequence[tuple[int, int]], seconds: float) -> None:
+        if forwards:
+            rows = sum(r for r, _ in forwards)
+            seqs = sum(s for _, s in forwards)
+            self._draft_live.append(DraftSample(len(forwards), rows, seqs, seconds))
+
+    def has_target_sample(self, lo: float, hi: float, recent: int = 256) -> bool:
+        """Whether a calibration sample or one of the ``recent`` newest live steps had a row count
+        in [lo, hi]: tells the controller if the fit has seen that part of the curve lately."""
+        if any(lo <= s.num_tokens <= hi for s in self._target_anchors):
+            return True
+        live = self._target_live
+        return any(
+            lo <= live[i].num_tokens <= hi for i in range(max(0, len(live) - recent), len(live))
+        )
+
+    def _tick(self) -> None:
+        self.num_observations += 1
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.refit(search_knee=self.num_fits % max(1, self.knee_every // self.refit_every) == 0)
+
+    def _weights(self, n_live: int, n_anchor: int) -> np.ndarray:
+        live = self.decay ** np.arange(n_live - 1, -1, -1, dtype=np.float64)  # newest = 1
+        return np.concatenate([np.full(n_anchor, self.anchor_weight), live])
+
+    # ---- fitting ----------------------------------------------------------------------------
+    def refit(self, search_knee: bool = False) -> None:
+        self._since_fit = 0
+        self.num_fits += 1
+        self._refit_target(search_knee)
+        self._refit_draft()
+
+    def _refit_target(self, search_knee: bool) -> None:
+        samples = self._target_anchors + list(self._target_live)
+        if not samples:
+            return
+        y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
+        w0 = self._weights(len(self._target_live), len(self._target_anchors)) / y**2
+        p = self.prior_target
+        nonneg = np.array([True, True, True, True, False])
+
+        def fit(knee: float) -> tuple[np.ndarray, float]:
+            x = _target_features(samples, knee)
+            prior = np.array([p.base, p.per_seq, p.slope_low, p.slope_high, 0.0])
+            b, _ = fit_nonneg_ridge(x, y, w0, prior, self.ridge, nonneg)
+            w = _huber_weights((y - x @ b) / y, w0)
+            return fit_nonneg_ridge(x, y, w, prior, self.ridge, nonneg)
+
+        knee = self.target.knee
+        best_b, best_sse = fit(knee)
+        if search_knee:
+            max_n = max(s.num_tokens for s in samples)
+            for cand in KNEE_GRID:
+                if cand == knee or cand >= max_n:
+                    continue  # a knee past every sample is the same line as the current fit
+                b, sse = fit(cand)
+                # Move the knee only for a clear gain, so it does not wander on noise.
+                if sse < 0.98 * best_sse:
+                    knee, best_b, best_sse = cand, b, sse
+        self.target = TargetCost(
+            base=float(best_b[0]),
+            per_seq=float(best_b[1]),
+            slope_low=float(best_b[2]),
+            knee=float(knee),
+            slope_high=float(best_b[3]),
+        )
+        self.calibration_offset = float(best_b[4])
+
+    def _refit_draft(self) -> None:
+        samples = self._draft_anchors + list(self._draft_live)
+        if not samples:
+            return
+        x = _draft_features(samples)
+        y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
+        w0 = self._weights(len(self._draft_live), len(self._draft_anchors)) / y**2
+        p = self.prior_draft
+        prior = np.array([p.per_forward, p.per_row, p.per_seq, 0.0])
+        nonneg = np.array([True, True, True, False])
+        b, _ = fit_nonneg_ridge(x, y, w0, prior, self.ridge, nonneg)
+        w = _huber_weights((y - x @ b) / y, w0)
+        b, _ = fit_nonneg_ridge(x, y, w, prior, self.ridge, nonneg)
+        self.draft = DraftCost(per_forward=float(b[0]), per_row=float(b[1]), per_seq=float(b[2]))
+        self.draft_calibration_offset = float(b[3])
+
+    def to_dict(self) -> dict[str, float]:
+        t, d = self.target, self.draft
+        return {
+            "target_base_s": t.base,
+            "target_per_seq_s": t.per_seq,
+            "target_per_token_s": t.slope_low,
+            "target_knee_tokens": t.knee,
+            "target_per_token_above_knee_s": t.slope_high,
+            "draft_per_forward_s": d.per_forward,
+            "draft_per_row_s": d.per_row,
+            "draft_per_seq_s": d.per_seq,
+            "num_observations": float(self.num_observations),
+        }

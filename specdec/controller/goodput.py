@@ -1,0 +1,193 @@
+"""The controller's objective and its search: k per sequence maximising the batch's goodput.
+
+For a batch whose decode-ready sequence i verifies k_i drafts::
+
+    goodput(k) = sum_i E_i(k_i) / (T(n_other + sum_i (1 + k_i), s) + D(k))
+
+E_i is sequence i's expected committed tokens (see ``acceptance``), T the target step time for
+that many rows, D the draft time. With a draft model, drafting runs one forward per position up to
+max_i k_i; forward j carries the sequences with k_i > j, and the first forward also catches each
+drafting sequence up on the tokens its draft has not seen. So::
+
+    D = K * per_forward + per_row * (rows_0 + sum_i k_i - #drafting) + per_seq * sum_i k_i
+
+with K = max_i k_i, and D = 0 when every k_i = 0 (no draft forward runs at all). A lookup proposer
+(n-gram) is costed as a single pseudo-forward of sum_i k_i rows. Every term only needs the counts
+(sum k, #drafting, rows_0, histogram of k), so changing one k_i re-evaluates in O(1): the search is
+coordinate ascent from a few starting points (the held decision, all off, every uniform k), each
+sequence in turn moved to its best k given the others, until no move helps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from specdec.controller.cost_model import CostModel
+
+
+@dataclass
+class SeqTerms:
+    """What the objective needs about one decode-ready sequence."""
+
+    gains: list[float]  # E(0), ..., E(k_allowed): expected committed tokens per k
+    catchup_rows: float  # rows the first draft forward spends on it (amortised; >= 1)
+    fixed_k: int | None = None  # forced ('on', 'off', probe); None = free to choose
+
+    @property
+    def max_k(self) -> int:
+        return len(self.gains) - 1
+
+
+class BatchGoodput:
+    """Incrementally evaluated goodput of one batch under one cost model."""
+
+    def __init__(
+        self,
+        terms: Sequence[SeqTerms],
+        cost: CostModel,
+        k_max: int,
+        extra_tokens: float = 0.0,
+        extra_seqs: float = 0.0,
+        per_position_forwards: bool = True,
+    ) -> None:
+        self.terms = list(terms)
+        self.cost = cost
+        self._target = cost.target  # fixed for the life of this object: one step's decision
+        self._draft = cost.draft
+        self.k_max = k_max
+        self.extra_tokens = extra_tokens
+        self.num_seqs = len(self.terms) + extra_seqs
+        self.per_position_forwards = per_position_forwards
+        self.ks = [0] * len(self.terms)
+        self.hist = [0] * (k_max + 1)
+        self.hist[0] = len(self.terms)
+        self.sum_gain = float(sum(t.gains[0] for t in self.terms))
+        self.sum_k = 0
+        self.num_drafting = 0
+        self.rows0 = 0.0
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def _draft_time(self, max_k: int, sum_k: int, num_drafting: int, rows0: float) -> float:
+        if num_drafting == 0:
+            return 0.0
+        d = self._draft
+        if not self.per_position_forwards:
+            return d.per_forward + d.per_row * sum_k + d.per_seq * num_drafting
+        return (
+            max_k * d.per_forward + d.per_row * (rows0 + sum_k - num_drafting) + d.per_seq * sum_k
+        )
+
+    def _value(self, sum_gain: float, sum_k: int, max_k: int, drafting: int, rows0: float) -> float:
+        n = self.extra_tokens + len(self.terms) + sum_k
+        t = self._target(n, self.num_seqs) + self._draft_time(max_k, sum_k, drafting, rows0)
+        return sum_gain / t
+
+    def _max_k(self, hist: list[int]) -> int:
+        for k in range(self.k_max, 0, -1):
+            if hist[k]:
+                return k
+        return 0
+
+    def value(self) -> float:
+        """Predicted committed tokens per second for the current assignment."""
+        return self._value(
+            self.sum_gain, self.sum_k, self._max_k(self.hist), self.num_drafting, self.rows0
+        )
+
+    def step_time(self) -> float:
+        return self.sum_gain / self.value() if self.sum_gain else 0.0
+
+    def value_if(self, i: int, k: int) -> float:
+        """Goodput if sequence i moved to k, everything else unchanged."""
+        old = self.ks[i]
+        if k == old:
+            return self.value()
+        t = self.terms[i]
+        sum_gain = self.sum_gain - t.gains[old] + t.gains[k]
+        drafting = self.num_drafting - (old > 0) + (k > 0)
+        rows0 = self.rows0 - t.catchup_rows * (old > 0) + t.catchup_rows * (k > 0)
+        self.hist[old] -= 1
+        self.hist[k] += 1
+        max_k = self._max_k(self.hist)
+        self.hist[k] -= 1
+        self.hist[old] += 1
+        return self._value(sum_gain, self.sum_k - old + k, max_k, drafting, rows0)
+
+    # ---- mutation ---------------------------------------------------------------------------
+    def set(self, i: int, k: int) -> None:
+        old = self.ks[i]
+        if k == old:
+            return
+        t = self.terms[i]
+        self.sum_gain += t.gains[k] - t.gains[old]
+        self.num_drafting += (k > 0) - (old > 0)
+        self.rows0 += t.catchup_rows * ((k > 0) - (old > 0))
+        self.sum_k += k - old
+        self.hist[old] -= 1
+        self.hist[k] += 1
+        self.ks[i] = k
+
+    def assign(self, ks: Sequence[int]) -> float:
+        for i, k in enumerate(ks):
+            self.set(i, k)
+        return self.value()
+
+    # ---- search -----------------------------------------------------------------------------
+    def best_move(self, i: int) -> int:
+        """Best k for sequence i given the others."""
+        best_k, best_v = self.ks[i], self.value()
+        for k in range(self.terms[i].max_k + 1):
+            v = self.value_if(i, k)
+            if v > best_v * (1 + 1e-12):
+                best_k, best_v = k, v
+        return best_k
+
+    def best_move_with(self, i: int, gains: list[float]) -> int:
+        """Best k for sequence i if its expected tokens were ``gains`` (probing asks this)."""
+        cur, saved = self.ks[i], self.terms[i]
+        self.set(i, 0)
+        self.sum_gain += gains[0] - saved.gains[0]
+        self.terms[i] = replace(saved, gains=gains)
+        k = self.best_move(i)
+        self.sum_gain += saved.gains[0] - gains[0]
+        self.terms[i] = saved
+        self.set(i, cur)
+        return k
+
+    def ascend(self, max_passes: int = 4) -> float:
+        """Coordinate ascent over the free sequences from the current assignment."""
+        free = [i for i, t in enumerate(self.terms) if t.fixed_k is None]
+        for _ in range(max_passes):
+            moved = False
+            for i in free:
+                k = self.best_move(i)
+                if k != self.ks[i]:
+                    self.set(i, k)
+                    moved = True
+            if not moved:
+                break
+        return self.value()
+
+    def clamp(self, ks: Sequence[int]) -> list[int]:
+        """Respect fixed k's and per-sequence limits."""
+        return [
+            t.fixed_k if t.fixed_k is not None else max(0, min(k, t.max_k))
+            for t, k in zip(self.terms, ks, strict=True)
+        ]
+
+    def search(self, starts: Sequence[Sequence[int]], refine: int = 2) -> tuple[list[int], float]:
+        """Best assignment found: every start scored, the best ``refine`` of them ascended."""
+        scored = []
+        for start in starts:
+            ks = self.clamp(start)
+            scored.append((self.assign(ks), ks))
+        scored.sort(key=lambda p: -p[0])
+        best_ks, best_v = scored[0][1], scored[0][0]
+        for _, ks in scored[:refine]:
+            self.assign(ks)
+            v = self.ascend()
+            if v > best_v:
+                best_ks, best_v = list(self.ks), v
+        self.assign(best_ks)
+        return best_ks, best_v

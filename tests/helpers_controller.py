@@ -1,0 +1,84 @@
+"""A synthetic engine for controller tests: known step costs, Bernoulli acceptance, no models."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from specdec.controller.cost_model import DraftCost, TargetCost
+from specdec.controller_base import SeqOutcome, SpeculationController, StepObservation
+
+# acceptance(seq, step) -> chance that each draft token is accepted
+AcceptanceFn = Callable[[Sequence, int], float]
+
+
+def make_seqs(n: int, start: int = 0, mode: str = "auto", prompt_len: int = 8) -> list[Sequence]:
+    """Decode-ready sequences whose draft is caught up (as after a few steps of decoding)."""
+    seqs = []
+    for i in range(start, start + n):
+        seq = Sequence(
+            i, f"req-{i}", list(range(prompt_len)), SamplingParams(max_tokens=10**6), mode
+        )
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = prompt_len - 1
+        seqs.append(seq)
+    return seqs
+
+
+def draft_forwards(seqs: list[Sequence], ks: list[int]) -> list[tuple[int, int]]:
+    """(rows, seqs) of each draft forward a draft-model proposer runs for these k's."""
+    out = []
+    for j in range(max(ks, default=0)):
+        drafting = [s for s, k in zip(seqs, ks, strict=True) if k > j]
+        rows = sum(s.num_tokens - s.num_draft_computed_tokens for s in drafting) if j == 0 else 0
+        out.append((rows or len(drafting), len(drafting)))
+    return out
+
+
+def simulate(
+    controller: SpeculationController,
+    seqs: list[Sequence],
+    acceptance: AcceptanceFn,
+    target: TargetCost,
+    draft: DraftCost,
+    steps: int,
+    rng: random.Random,
+    noise: float = 0.0,
+    first_step: int = 0,
+) -> list[list[int]]:
+    """Run ``steps`` synthetic engine steps; returns the k's chosen at each step."""
+    history = []
+    for step in range(first_step, first_step + steps):
+        ks = controller.choose_k(seqs)
+        history.append(list(ks))
+        forwards = draft_forwards(seqs, ks)
+        outcomes = []
+        for seq, k in zip(seqs, ks, strict=True):
+            a = acceptance(seq, step)
+            accepted = 0
+            while accepted < k and rng.random() < a:
+                accepted += 1
+            outcomes.append(SeqOutcome(seq, k, accepted))
+            for _ in range(accepted + 1):
+                seq.append_token(3)
+            seq.num_computed_tokens = seq.num_tokens - 1
+            if k > 0:  # the draft has seen everything up to its own k-th token
+                seq.num_draft_computed_tokens = min(
+                    seq.num_tokens - 1, seq.num_tokens - 2 - accepted + k
+                )
+        num_tokens = sum(1 + k for k in ks)
+        target_time = target(num_tokens, len(seqs)) * max(0.1, 1 + noise * rng.gauss(0, 1))
+        draft_time = sum(draft(r, s) for r, s in forwards) * max(0.1, 1 + noise * rng.gauss(0, 1))
+        controller.observe(
+            StepObservation(
+                step_time=target_time + draft_time,
+                draft_time=draft_time,
+                target_time=target_time,
+                num_target_tokens=num_tokens,
+                num_seqs=len(seqs),
+                draft_forwards=forwards,
+                outcomes=outcomes,
+            )
+        )
+    return history
