@@ -1,7 +1,7 @@
 """Bad input against a real server: OpenAI-style errors with the right status, never FastAPI's 422,
 never a 500, and no engine state change; the A/B split; fuzzing of the app's own OpenAPI schema.
 
-The server runs with ``--ab-split 0.5 --ab-seed 7 --max-tokens-limit 8 --max-body-bytes 20000``.
+The server runs with ``--speculative-mode on --ab-split 0.5 --ab-seed 7 --max-tokens-limit 8 --max-body-bytes 20000``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LIMIT = 8
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("api_errors")
     build_script_model(root / MODEL)
-    args = ["--ab-split", "0.5", "--ab-seed", "7", "--max-tokens-limit", str(LIMIT)]
+    args = ["--speculative-mode", "on", "--ab-split", "0.5", "--ab-seed", "7", "--max-tokens-limit", str(LIMIT)]
     args += ["--max-body-bytes", "20000", "--served-model-name", MODEL, "alias"]
     srv = ServerProcess(root / MODEL, root / MODEL, args, root / "server.log")
     start_servers(srv)
