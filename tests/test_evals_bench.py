@@ -55,7 +55,7 @@ def test_bench_ab_sweep_against_a_live_server(server, dataset, tmp_path, capsys)
     out = tmp_path / "out"
     args = bench_args(
         "--base-url", server.url, "--dataset", str(dataset), "--num-prompts", "3",
-        "--warmup", "1", "--max-tokens", "8", "--concurrency", "1,3", "--ab",
+        "--warmup", "1", "--max-tokens", "8", "--concurrency", "1,3", "--ab", "--speculative", "on",
         "--slo", "ttft=60000,tpot=60000", "--output-dir", str(out), "--no-progress",
     )  # fmt: skip
     assert bench_command.run(args) == 0
