@@ -25,7 +25,16 @@ LIMIT = 8
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("api_errors")
     build_script_model(root / MODEL)
-    args = ["--speculative-mode", "on", "--ab-split", "0.5", "--ab-seed", "7", "--max-tokens-limit", str(LIMIT)]
+    args = [
+        "--speculative-mode",
+        "on",
+        "--ab-split",
+        "0.5",
+        "--ab-seed",
+        "7",
+        "--max-tokens-limit",
+        str(LIMIT),
+    ]
     args += ["--max-body-bytes", "20000", "--served-model-name", MODEL, "alias"]
     srv = ServerProcess(root / MODEL, root / MODEL, args, root / "server.log")
     start_servers(srv)
