@@ -134,12 +134,13 @@ def bench_spec(engine, ngram_engine, hf, prompts, labels, n, ks) -> dict:
             ]
             if not sel:
                 continue
+            has_stats = "acceptance" in sel[0]  # transformers does not report acceptance
             summary[f"{arm} | {group}"] = {
                 "median_tpot_ms": statistics.median(r["tpot_ms"] for r in sel),
-                "acceptance": statistics.mean(r.get("acceptance", 0.0) for r in sel),
-                "mean_accepted_length": statistics.mean(
-                    r.get("mean_accepted_length", 0.0) for r in sel
-                ),
+                "acceptance": statistics.mean(r["acceptance"] for r in sel) if has_stats else None,
+                "mean_accepted_length": statistics.mean(r["mean_accepted_length"] for r in sel)
+                if has_stats
+                else None,
             }
     # Greedy speculation must reproduce plain decode token for token, prompt by prompt.
     identical = all(
@@ -276,9 +277,11 @@ def write(result: dict, out_dir: Path) -> None:
             "|---|---|---|---|",
         ]
         for k, v in result["spec"]["summary"].items():
+            acc, mal = v["acceptance"], v["mean_accepted_length"]
             lines.append(
-                f"| {k} | {v['median_tpot_ms']:.0f} | {v['acceptance']:.2f} | "
-                f"{v['mean_accepted_length']:.2f} |"
+                f"| {k} | {v['median_tpot_ms']:.0f} | "
+                f"{'n/a' if acc is None else f'{acc:.2f}'} | "
+                f"{'n/a' if mal is None else f'{mal:.2f}'} |"
             )
         lines += [
             "",
