@@ -19,6 +19,7 @@ from engine.attention.base import AttentionBackend, build_attention_metadata
 from engine.kv_cache import ModelKV, allocate_model_kv
 from engine.models import ModelArch, model_arch_from_hf_config
 from engine.models.decoder import DecoderLM
+from engine.models.registry import instantiate_model
 
 
 def _qwen2(vocab, hidden, inter, layers, heads, kv_heads, tie, head_dim=None) -> dict[str, Any]:
@@ -59,13 +60,7 @@ def arch_for(shape: str, vocab_size: int | None = None) -> ModelArch:
 
 def random_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int) -> DecoderLM:
     """A DecoderLM with random weights: unit norms, N(0, 1/fan_in) matrices, N(0, 1) embeddings."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = DecoderLM(arch)
-    finally:
-        torch.set_default_dtype(previous)
+    model = instantiate_model(arch, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -16,6 +16,18 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
 }
 
 
+def instantiate_model(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> DecoderLM:
+    """An uninitialised model built directly in dtype on device (never a second full copy)."""
+    cls = MODEL_CLASSES[arch.architecture]
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(arch)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+
+
 def build_model(
     arch: ModelArch,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -23,15 +35,7 @@ def build_model(
     device: torch.device,
 ) -> DecoderLM:
     """Instantiate, load weights tensor by tensor, and prepare kernels for the device."""
-    cls = MODEL_CLASSES[arch.architecture]
-    # Build directly in the target dtype and device so no second full-size copy ever exists.
-    previous_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(arch)
-    finally:
-        torch.set_default_dtype(previous_dtype)
+    model = instantiate_model(arch, dtype, device)
     model.load_weights(weights)
     model.rope.to(torch.float32)
     model.eval()
