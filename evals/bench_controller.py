@@ -285,7 +285,22 @@ def main(argv: list[str] | None = None) -> int:
                     w, c, arm, r.throughput_tok_s, r.tpot_median_ms, r.tpot_p99_ms,
                     r.acceptance_rate, r.mean_k, r.draft_forwards,
                 )  # fmt: skip
+            # Results so far hit the disk after every point: an hour-long sweep that dies late
+            # still leaves everything it measured.
+            write_results(args, argv, adaptive, results, t0)
+    json_path = write_results(args, argv, adaptive, results, t0, with_plot=True)
+    logger.info("wrote %s (.md, .png) in %.0f s", json_path, time.perf_counter() - t0)
+    return 0
 
+
+def write_results(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    adaptive: SpeculationController,
+    results: list[ArmResult],
+    t0: float,
+    with_plot: bool = False,
+) -> Path:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": " ".join(["python -m evals.bench_controller", *(argv or sys.argv[1:])]),
@@ -300,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out_dir / f"{args.name}.json"
     json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     write_markdown(args.out_dir / f"{args.name}.md", meta, rows)
-    write_plot(args.out_dir / f"{args.name}.png", rows)
-    logger.info("wrote %s (.md, .png) in %.0f s", json_path, meta["total_seconds"])
-    return 0
+    if with_plot:
+        write_plot(args.out_dir / f"{args.name}.png", rows)
+    return json_path
 
 
 if __name__ == "__main__":
