@@ -92,6 +92,22 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def pending_prefill(self) -> tuple[int, int]:
+        """(prompt rows, sequences) the next step's prefill chunks can hold at most: what is left
+        of running prompts plus the waiting prompts that could be admitted, within the token
+        budget left after one row per running sequence. A speculation controller uses it to
+        price verify rows against the step they will actually share."""
+        rows = seqs = 0
+        for seq in self.running:
+            need = seq.num_tokens - seq.num_computed_tokens
+            if need > 1:
+                rows, seqs = rows + need, seqs + 1
+        room = max(0, self.max_num_seqs - len(self.running))
+        for seq in list(self.waiting)[:room]:
+            rows, seqs = rows + seq.num_tokens - seq.num_computed_tokens, seqs + 1
+        budget = max(0, self.max_num_batched_tokens - len(self.running))
+        return min(rows, budget), seqs
+
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self, k_policy: KPolicy | None = None) -> StepPlan:
         plan = StepPlan()

@@ -116,6 +116,36 @@ def test_partial_speculation_fills_the_cheap_region() -> None:
     assert 0 < sum(ks) < K_MAX * 20
 
 
+def test_known_prefill_rows_replace_the_moving_average() -> None:
+    """Right after a burst of prompts is prefilled, the average of recent prefill rows is still
+    large; priced on that, verify rows ride nearly free on a big step. The rows the scheduler says
+    the next step can actually carry (none) decide instead."""
+    ctrl = controller(0.8)
+    seqs = make_seqs(40)  # 40 plain rows: under the knee; 40 x 5 verify rows: far past it
+    ctrl.extra_tokens, ctrl.extra_seqs = 400.0, 8.0  # as left by a step that prefilled 8 prompts
+    assert sum(ctrl.choose_k(seqs)) > 0  # the stale average prices a big prefill step in
+    ctrl.expect_prefill(0, 0)
+    assert ctrl.choose_k(make_seqs(40, start=100)) == [0] * 40
+    ctrl.expect_prefill(400, 8)  # a real prefill chunk in the step: verify rows are cheap again
+    assert sum(ctrl.choose_k(make_seqs(40, start=200))) > 0
+
+
+def test_scheduler_reports_the_prefill_rows_the_next_step_can_carry(tiny_pair) -> None:
+    target, draft = tiny_pair
+    engine = make_engine(target, draft, max_num_seqs=2, max_num_batched_tokens=64)
+    assert engine.scheduler.pending_prefill() == (0, 0)
+    for i, n in enumerate((40, 40, 50)):
+        engine.add_request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4))
+    # Two may run at once (max_num_seqs=2): the third prompt waits for a slot and is not counted;
+    # the 64-token budget caps the rest.
+    assert engine.scheduler.pending_prefill() == (64, 2)
+    engine.step()  # prefills the first prompt and a 24-token chunk of the second
+    assert engine.scheduler.pending_prefill() == (16, 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.pending_prefill() == (0, 0)
+
+
 def test_reprobing_brings_a_sequence_back_after_its_acceptance_rises() -> None:
     rise_at = 150
 
@@ -250,6 +280,25 @@ def test_cost_model_keeps_prior_where_no_data_reaches() -> None:
     assert model.target.knee == GPU_TARGET.knee
     assert model.target.slope_high == pytest.approx(1.2 * GPU_TARGET.slope_high, rel=0.05)
     assert model.target_time(8, 8) == pytest.approx(GPU_TARGET(8, 8) * 1.2, rel=0.05)
+
+
+def test_measured_curve_follows_a_jagged_step_time() -> None:
+    """Step time that no smooth curve fits (a CPU kernel picking its blocking by row count: 4 rows
+    faster than 1, 8 slower than 6): predictions at measured row counts follow the measurements,
+    between them they interpolate, and the parametric fit alone would be far off."""
+    jagged = {1: 0.29, 2: 0.28, 4: 0.185, 6: 0.175, 8: 0.27, 12: 0.285, 24: 0.50, 40: 0.745}
+    rng = np.random.default_rng(1)
+    model = CostModel()
+    for i in range(600):
+        n = list(jagged)[i % len(jagged)]
+        stall = 3.0 if i % 50 == 13 else 1.0
+        model.observe_target(n, min(n, 8), jagged[n] * (1 + 0.03 * rng.standard_normal()) * stall)
+    model.refit(search_knee=True)
+    for n, t in jagged.items():
+        assert model.target_time(n, min(n, 8)) == pytest.approx(t, rel=0.05)
+    assert model.target_time(5, 1) == pytest.approx((0.185 + 0.175) / 2, rel=0.05)
+    assert model.target_time(80, 16) > model.target_time(40, 8)  # beyond: the fit's increase
+    assert max(abs(model.target(n, min(n, 8)) / t - 1) for n, t in jagged.items()) > 0.15
 
 
 # ---- stats and logging ------------------------------------------------------------------------

@@ -41,7 +41,7 @@ PROBE_PAYBACK_STEPS = 8  # steps of speculation over which a probe's draft catch
 
 @dataclass(frozen=True)
 class AdaptiveParams:
-    margin: float = 0.05  # relative goodput gain needed to change the held decision
+    margin: float = 0.03  # relative goodput gain needed to change the held decision
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
     probe_k: int = 2
@@ -102,13 +102,27 @@ class AdaptiveController:
         self._ready_fresh = False
         self.extra_tokens = 0.0  # estimated non-decode (prefill) rows per step
         self.extra_seqs = 0.0
+        self._expected_prefill: tuple[int, int] | None = None  # told by the engine, next step
         self.num_probes = 0
         self.num_cost_probes = 0
         self.num_changes = 0
 
     # ---- decision ---------------------------------------------------------------------------
+    def expect_prefill(self, rows: int, seqs: int) -> None:
+        """The prefill rows (and their sequences) the next step can carry beside the decodes.
+
+        Known from the scheduler's queues, it replaces the moving average for one decision: right
+        after a burst of prompts is prefilled the average still says "big prefill chunk", and
+        verify rows riding on a big step look nearly free when the real step is decodes alone.
+        """
+        self._expected_prefill = (rows, seqs)
+
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         self._num_decisions += 1
+        extra_tokens, extra_seqs = self.extra_tokens, self.extra_seqs
+        if self._expected_prefill is not None:
+            extra_tokens, extra_seqs = map(float, self._expected_prefill)
+            self._expected_prefill = None
         now = self._num_decisions
         prior = self.acceptance.prior()
         terms = [self._terms(seq, prior) for seq in seqs]
@@ -118,8 +132,8 @@ class AdaptiveController:
             terms,
             self.cost,
             self.k_max,
-            self.extra_tokens,
-            self.extra_seqs,
+            extra_tokens,
+            extra_seqs,
             self.per_position_forwards,
         )
         held = self._held(seqs, terms, batch)
@@ -135,7 +149,7 @@ class AdaptiveController:
         if now % p.probe_every == 0:
             probes = self._probes(seqs, terms, batch, chosen, prior, out)
         elif now % p.cost_probe_every == p.cost_probe_every // 4:
-            self._cost_probe(seqs, terms, out)
+            self._cost_probe(seqs, terms, batch, out)
         batch.assign(out)  # the predicted step below is the one that will run
         self._update_states(seqs, chosen, set(probes))
         self._last = _Decision(out, batch.value(), batch.step_time())
@@ -230,7 +244,9 @@ class AdaptiveController:
         self.num_probes += len(probes)
         return probes
 
-    def _cost_probe(self, seqs: list[Sequence], terms: list[SeqTerms], out: list[int]) -> None:
+    def _cost_probe(
+        self, seqs: list[Sequence], terms: list[SeqTerms], batch: BatchGoodput, out: list[int]
+    ) -> None:
         """Run a speculating step plain when the fit has not seen a plain step of this size lately.
 
         A batch that always speculates never measures its plain step time, so a cost curve that
@@ -240,8 +256,8 @@ class AdaptiveController:
         updated in place.
         """
         auto = [i for i, t in enumerate(terms) if t.fixed_k is None and out[i] > 0]
-        n_plain = len(seqs) + self.extra_tokens
-        if not auto or self.cost.has_target_sample(0.8 * n_plain, 1.25 * n_plain):
+        n_plain = len(seqs) + batch.extra_tokens
+        if not auto or self.cost.has_plain_sample(0.8 * n_plain, 1.25 * n_plain):
             return
         for i in auto:
             out[i] = 0

@@ -1,11 +1,11 @@
 """Start-up calibration: time a few bare target and draft forwards to seed the cost model.
 
-Plain decodes (1 row per sequence) and verifies (k_max + 1 rows per sequence) are timed at a few
-batch sizes, plus draft forwards of 1-2 rows per sequence and one longer catch-up. Each shape runs
-on temporary sequences whose blocks come from the engine's allocator and go back to it afterwards
-(the free count returns to where it started). The keys before ``start_pos`` are whatever the pool
-holds (zeros at start-up): the numbers are timings, never used as text. Shapes are measured
-smallest batch first (plain and verify in pairs) while a time budget lasts, at least three of each
+Plain decodes (1 row per sequence) and verifies (1 + k rows per sequence, every k up to k_max)
+are timed at a few batch sizes, plus draft forwards of 1-2 rows per sequence and one longer
+catch-up. Each shape runs on temporary sequences whose blocks come from the engine's allocator and
+go back to it afterwards (the free count returns to where it started). The keys before
+``start_pos`` are whatever the pool holds (zeros at start-up): the numbers are timings, never used
+as text. Shapes are measured fewest rows first while a time budget lasts, at least three of each
 kind, so a slow machine gets fewer, smaller points and the live fit fills in the rest.
 """
 
@@ -45,6 +45,24 @@ def _batch_sizes(max_num_seqs: int) -> list[int]:
         sizes.append(s)
         s *= 2
     return [*sizes, max_num_seqs]
+
+
+def _target_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[tuple[int, int]]:
+    """(sequences, rows each) for every row count a uniform k in 0..k_max gives at these batch
+    sizes, fewest rows first so a short budget still covers plain and verify at small batches.
+
+    Every row count, not just plain and k_max: step time need not be smooth in the row count
+    (see ``cost_model``), so the points in between are measured rather than interpolated. Where
+    several shapes share a row count the one with the most sequences is kept: it is the plain step
+    when there is one, which the controller compares every speculating choice against.
+    """
+    by_rows: dict[int, tuple[int, int]] = {}
+    for s in sizes:
+        for r in range(1, k_max + 2):
+            n = s * r
+            if n <= max_rows and s > by_rows.get(n, (0, 0))[0]:
+                by_rows[n] = (s, r)
+    return [by_rows[n] for n in sorted(by_rows)]
 
 
 def _sync(device: torch.device) -> None:
@@ -110,17 +128,14 @@ class _TempSeqs:
 
 
 def calibrate(
-    engine: LLMEngine, k_max: int, time_budget: float = 10.0, repeats: int = 3
+    engine: LLMEngine, k_max: int, time_budget: float = 30.0, repeats: int = 2
 ) -> CalibrationResult:
     """Time target (and draft, if the proposer has a model) forwards; see the module docstring."""
     start = time.perf_counter()
     result = CalibrationResult()
     cfg = engine.config
     sizes = _batch_sizes(cfg.max_num_seqs)
-    # Plain and verify shapes in pairs, smallest batches first: a short budget still gets both.
-    target_shapes = sorted(
-        {(s, r) for s in sizes for r in (1, k_max + 1) if s * r <= cfg.max_num_batched_tokens}
-    )
+    target_shapes = _target_shapes(sizes, k_max, cfg.max_num_batched_tokens)
     draft_runner = getattr(engine.proposer, "runner", None)
     draft_shapes: list[tuple[int, int]] = []
     if draft_runner is not None:

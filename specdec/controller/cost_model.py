@@ -25,10 +25,21 @@ together when every sequence drafts alike) stay at sensible values. Calibration 
 the fit as anchors with an indicator column of their own, which absorbs the bookkeeping that a bare
 forward does not pay, so anchors pin the slopes where live steps have not reached yet without
 biasing the intercept.
+
+Measured curve on top: the parametric form is smooth, but a real step time need not be. On a CPU
+the linear-layer kernels pick their blocking by row count, so 4 rows can run faster than 1 and 8
+slower than 6 (seen with oneDNN on two cores: 1 row 290 ms, 4 rows 185 ms, 8 rows 270 ms). So the
+model also keeps, per exact row count, the median of its last few live steps (or, before any live
+step, the calibration forward plus the fitted live-vs-bare offset) and, where that point is off
+the parametric fit by more than ``curve_tolerance``, predicts from the points: exactly at a measured count, linearly between two, and beyond the
+largest by the parametric fit's increase. The parametric fit alone answers only where no step of
+any size was measured yet.
 """
 
 from __future__ import annotations
 
+import bisect
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -68,6 +79,45 @@ class DraftCost:
 
     def __call__(self, rows: float, seqs: float) -> float:
         return self.per_forward + self.per_row * rows + self.per_seq * seqs
+
+
+class TargetCurve:
+    """Target step seconds from measured row counts, the parametric fit filling the gaps.
+
+    ``points`` are (row count, seconds or None) sorted by row count, None where the fit already
+    agrees with the measurement; see the module docstring.
+    """
+
+    def __init__(
+        self, points: Sequence[tuple[float, float | None]], parametric: TargetCost
+    ) -> None:
+        self.rows = [float(n) for n, _ in points]
+        self.seconds = [t for _, t in points]
+        self.parametric = parametric
+
+    def _at(self, i: int, num_seqs: float) -> float:
+        t = self.seconds[i]
+        return self.parametric(self.rows[i], num_seqs) if t is None else t
+
+    def __call__(self, num_tokens: float, num_seqs: float) -> float:
+        rows, fit = self.rows, self.parametric
+        if not rows:
+            return fit(num_tokens, num_seqs)
+        i = bisect.bisect_left(rows, num_tokens)
+        if i < len(rows) and rows[i] == num_tokens:
+            return self._at(i, num_seqs)
+        if i == 0:  # below the smallest measured count: the fit's shape, at the measured level
+            t = self._at(0, num_seqs) + fit(num_tokens, num_seqs) - fit(rows[0], num_seqs)
+        elif i == len(rows):  # beyond the largest: the fit's increase from there
+            last = len(rows) - 1
+            t = self._at(last, num_seqs) + max(
+                0.0, fit(num_tokens, num_seqs) - fit(rows[last], num_seqs)
+            )
+        else:
+            w = (num_tokens - rows[i - 1]) / (rows[i] - rows[i - 1])
+            lo, hi = self._at(i - 1, num_seqs), self._at(i, num_seqs)
+            t = lo + w * (hi - lo)
+        return max(t, _MIN_TIME)
 
 
 # Placeholder coefficients used only until calibration or live steps say otherwise: a draft forward
@@ -191,6 +241,8 @@ class CostModel:
         anchor_weight: float = 2.0,
         refit_every: int = 8,
         knee_every: int = 64,
+        measured_window: int = 9,
+        curve_tolerance: float = 0.1,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -208,13 +260,42 @@ class CostModel:
         self._draft_live: deque[DraftSample] = deque(maxlen=window)
         self._target_anchors: list[TargetSample] = []
         self._draft_anchors: list[DraftSample] = []
+        self.measured_window = measured_window
+        self.curve_tolerance = curve_tolerance
+        # row count -> newest live steps with that many rows: (seconds, sequences)
+        self._measured: dict[int, deque[tuple[float, int]]] = {}
+        self._curve: TargetCurve | None = None  # built on demand, dropped when data changes
         self.num_observations = 0
         self.num_fits = 0
         self._since_fit = 0
 
     # ---- prediction -------------------------------------------------------------------------
     def target_time(self, num_tokens: float, num_seqs: float) -> float:
-        return self.target(num_tokens, num_seqs)
+        return self.target_curve()(num_tokens, num_seqs)
+
+    def target_curve(self) -> TargetCurve:
+        """The predictor the controller uses: measured points, the parametric fit between."""
+        if self._curve is None:
+            measured: dict[int, tuple[float, float]] = {}  # rows -> (seconds, sequences)
+            for a in self._target_anchors:  # a bare forward, plus what a live step adds to it
+                t = max(a.seconds - self.calibration_offset, _MIN_TIME)
+                if t < measured.get(a.num_tokens, (float("inf"), 0))[0]:
+                    measured[a.num_tokens] = (t, a.num_seqs)
+            for n, recent in self._measured.items():
+                # The median resists the odd stalled step.
+                measured[n] = (
+                    statistics.median(t for t, _ in recent),
+                    statistics.fmean(s for _, s in recent),
+                )
+            points: list[tuple[float, float | None]] = []
+            for n, (t, seqs) in sorted(measured.items()):
+                fit = self.target(n, seqs)
+                # Within the noise of the fit, the fit is the better estimate (it pools every
+                # step; a point holds a few): keep the point only where the fit is clearly off.
+                keep = abs(t - fit) > self.curve_tolerance * fit
+                points.append((n, t if keep else None))
+            self._curve = TargetCurve(points, self.target)
+        return self._curve
 
     def draft_time(self, forwards: Sequence[tuple[int, int]]) -> float:
         """Seconds for these draft forwards, each (rows, seqs); no forwards cost nothing."""
@@ -230,6 +311,9 @@ class CostModel:
 
     def observe_target(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         self._target_live.append(TargetSample(num_tokens, num_seqs, seconds))
+        recent = self._measured.setdefault(num_tokens, deque(maxlen=self.measured_window))
+        recent.append((seconds, num_seqs))
+        self._curve = None
         self._tick()
 
     def observe_draft(self, forwards: Sequence[tuple[int, int]], seconds: float) -> None:
@@ -238,15 +322,18 @@ class CostModel:
             seqs = sum(s for _, s in forwards)
             self._draft_live.append(DraftSample(len(forwards), rows, seqs, seconds))
 
-    def has_target_sample(self, lo: float, hi: float, recent: int = 256) -> bool:
-        """Whether a calibration sample or one of the ``recent`` newest live steps had a row count
-        in [lo, hi]: tells the controller if the fit has seen that part of the curve lately."""
-        if any(lo <= s.num_tokens <= hi for s in self._target_anchors):
+    def has_plain_sample(self, lo: float, hi: float, recent: int = 256) -> bool:
+        """Whether a plain step (one row per sequence) with a row count in [lo, hi] is among the
+        calibration samples or the ``recent`` newest live steps: tells the controller whether the
+        model has seen the plain side of its choice at this batch size lately."""
+
+        def plain_in_range(s: TargetSample) -> bool:
+            return s.num_tokens == s.num_seqs and lo <= s.num_tokens <= hi
+
+        if any(plain_in_range(s) for s in self._target_anchors):
             return True
         live = self._target_live
-        return any(
-            lo <= live[i].num_tokens <= hi for i in range(max(0, len(live) - recent), len(live))
-        )
+        return any(plain_in_range(live[i]) for i in range(max(0, len(live) - recent), len(live)))
 
     def _tick(self) -> None:
         self.num_observations += 1
@@ -261,6 +348,7 @@ class CostModel:
     # ---- fitting ----------------------------------------------------------------------------
     def refit(self, search_knee: bool = False) -> None:
         self._since_fit = 0
+        self._curve = None
         self.num_fits += 1
         self._refit_target(search_knee)
         self._refit_draft()

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # Acceptance assumed per position before any verify was seen, per proposer: a same-family draft
 # model usually agrees with the target most of the time; prompt lookup less often.
 INITIAL_ACCEPTANCE = {"draft_model": 0.7, "ngram": 0.5}
-CALIBRATION_SECONDS = 10.0
+CALIBRATION_SECONDS = 30.0  # every plain and verify shape up to 16 x 5 rows on a 2-core CPU
 
 
 def build_controller(config: EngineConfig, engine: LLMEngine) -> SpeculationController:

@@ -53,7 +53,7 @@ class BatchGoodput:
     ) -> None:
         self.terms = list(terms)
         self.cost = cost
-        self._target = cost.target  # fixed for the life of this object: one step's decision
+        self._target = cost.target_curve()  # fixed for the life of this object: one decision
         self._draft = cost.draft
         self.k_max = k_max
         self.extra_tokens = extra_tokens
