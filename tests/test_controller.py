@@ -118,16 +118,28 @@ def test_partial_speculation_fills_the_cheap_region() -> None:
 
 def test_known_prefill_rows_replace_the_moving_average() -> None:
     """Right after a burst of prompts is prefilled, the average of recent prefill rows is still
-    large; priced on that, verify rows ride nearly free on a big step. The rows the scheduler says
-    the next step can actually carry (none) decide instead."""
+    large. The rows the scheduler says the next step can actually carry decide instead, for that
+    one decision."""
     ctrl = controller(0.8)
-    seqs = make_seqs(40)  # 40 plain rows: under the knee; 40 x 5 verify rows: far past it
     ctrl.extra_tokens, ctrl.extra_seqs = 400.0, 8.0  # as left by a step that prefilled 8 prompts
-    assert sum(ctrl.choose_k(seqs)) > 0  # the stale average prices a big prefill step in
     ctrl.expect_prefill(0, 0)
-    assert ctrl.choose_k(make_seqs(40, start=100)) == [0] * 40
-    ctrl.expect_prefill(400, 8)  # a real prefill chunk in the step: verify rows are cheap again
-    assert sum(ctrl.choose_k(make_seqs(40, start=200))) > 0
+    fresh = controller(0.8)  # never saw a prefill
+    assert ctrl.choose_k(make_seqs(40)) == fresh.choose_k(make_seqs(40, start=100))
+    assert ctrl.stats()["predicted_step_time_s"] == pytest.approx(
+        fresh.stats()["predicted_step_time_s"]
+    )
+
+
+def test_a_prefill_chunk_does_not_make_verify_rows_look_free() -> None:
+    """A big prefill chunk in the step runs whatever the k's; verify rows are priced at what they
+    add to it. Past the knee each verify row costs 1 ms for at most 0.6 tokens while a plain decode
+    of the same sequences is cheaper per token, so nobody speculates, chunk or no chunk."""
+    ctrl = controller(0.6)
+    ctrl.expect_prefill(400, 8)
+    assert ctrl.choose_k(make_seqs(70)) == [0] * 70
+    under_knee = controller(0.6)
+    under_knee.expect_prefill(0, 0)
+    assert sum(under_knee.choose_k(make_seqs(8))) > 0  # below the knee verify rows are cheap
 
 
 def test_scheduler_reports_the_prefill_rows_the_next_step_can_carry(tiny_pair) -> None:

@@ -2,7 +2,10 @@
 
 For a batch whose decode-ready sequence i verifies k_i drafts::
 
-    goodput(k) = sum_i E_i(k_i) / (T(n_other + sum_i (1 + k_i), s) + D(k))
+    goodput(k) = sum_i E_i(k_i) / (T(n_other + sum_i (1 + k_i), s) - T(n_other) + D(k))
+
+(T(n_other) is the prefill chunks' own time, 0 when the step has none: it is spent whatever the
+k's, so the decodes are charged what they add to the step.)
 
 E_i is sequence i's expected committed tokens (see ``acceptance``), T the target step time for
 that many rows, D the draft time. With a draft model, drafting runs one forward per position up to
@@ -59,6 +62,10 @@ class BatchGoodput:
         self.extra_tokens = extra_tokens
         self.num_seqs = len(self.terms) + extra_seqs
         self.per_position_forwards = per_position_forwards
+        # Prefill chunks in the step run whatever the k's: their time is spent either way, so
+        # decodes are charged only what they add to it. (Charging the whole step would make verify
+        # rows look nearly free beside a big chunk, however much each of them really adds.)
+        self._prefill_alone = self._target(extra_tokens, extra_seqs) if extra_tokens >= 1 else 0.0
         self.ks = [0] * len(self.terms)
         self.hist = [0] * (k_max + 1)
         self.hist[0] = len(self.terms)
@@ -80,8 +87,8 @@ class BatchGoodput:
 
     def _value(self, sum_gain: float, sum_k: int, max_k: int, drafting: int, rows0: float) -> float:
         n = self.extra_tokens + len(self.terms) + sum_k
-        t = self._target(n, self.num_seqs) + self._draft_time(max_k, sum_k, drafting, rows0)
-        return sum_gain / t
+        t = self._target(n, self.num_seqs) - self._prefill_alone
+        return sum_gain / max(t + self._draft_time(max_k, sum_k, drafting, rows0), 1e-9)
 
     def _max_k(self, hist: list[int]) -> int:
         for k in range(self.k_max, 0, -1):
