@@ -31,9 +31,9 @@ the linear-layer kernels pick their blocking by row count, so 4 rows can run fas
 slower than 6 (seen with oneDNN on two cores: 1 row 290 ms, 4 rows 185 ms, 8 rows 270 ms). So the
 model also keeps, per exact row count, the median of its last few live steps (or, before any live
 step, the calibration forward plus the fitted live-vs-bare offset) and, where that point is off
-the parametric fit by more than ``curve_tolerance``, predicts from the points: exactly at a measured count, linearly between two, and beyond the
-largest by the parametric fit's increase. The parametric fit alone answers only where no step of
-any size was measured yet.
+the parametric fit by more than ``curve_tolerance``, predicts from the points: exactly at a
+measured count, linearly between two, and beyond the largest by the parametric fit's increase.
+The parametric fit alone answers only where no step of any size was measured yet.
 """
 
 from __future__ import annotations
