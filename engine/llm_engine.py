@@ -209,9 +209,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         k_policy = self.controller.choose_k if self.proposer is not None else None
-        expect_prefill = getattr(self.controller, "expect_prefill", None)
-        if k_policy is not None and expect_prefill is not None:
-            expect_prefill(*self.scheduler.pending_prefill())
+        if k_policy is not None:
+            self.controller.expect_prefill(*self.scheduler.pending_prefill())
         plan = self.scheduler.schedule(k_policy)
         if plan.is_empty:
             return []

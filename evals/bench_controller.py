@@ -103,7 +103,46 @@ class ArmResult:
     mean_k: float  # drafts verified per decode step of a request
     speculating_fraction: float  # share of decode steps that verified at least one draft
     draft_forwards: int
+    num_drafted: int = 0
+    num_accepted: int = 0
+    decode_steps: int = 0
+    spec_steps: int = 0
     controller: dict = field(default_factory=dict)
+    throughput_runs: list[float] = field(default_factory=list)  # one per repeat, in run order
+    tpots_ms: list[float] = field(default_factory=list)  # one per request
+
+
+def merge_runs(runs: list[ArmResult]) -> ArmResult:
+    """One arm at one point over its repeats: throughput is the median of the repeats' (a
+    shared machine drifts by several percent between runs); TPOT percentiles pool every request;
+    counts add up; the controller snapshot is the last run's."""
+    tpots = [t for r in runs for t in r.tpots_ms]
+    drafted = sum(r.num_drafted for r in runs)
+    decode_steps = sum(r.decode_steps for r in runs)
+    return ArmResult(
+        workload=runs[0].workload,
+        concurrency=runs[0].concurrency,
+        arm=runs[0].arm,
+        num_requests=sum(r.num_requests for r in runs),
+        output_tokens=sum(r.output_tokens for r in runs),
+        wall_s=sum(r.wall_s for r in runs),
+        throughput_tok_s=float(np.median([r.throughput_tok_s for r in runs])),
+        tpot_median_ms=float(np.median(tpots)) if tpots else float("nan"),
+        tpot_p99_ms=float(np.percentile(tpots, 99)) if tpots else float("nan"),
+        acceptance_rate=sum(r.num_accepted for r in runs) / drafted if drafted else 0.0,
+        mean_k=drafted / decode_steps if decode_steps else 0.0,
+        speculating_fraction=sum(r.spec_steps for r in runs) / decode_steps
+        if decode_steps
+        else 0.0,
+        draft_forwards=sum(r.draft_forwards for r in runs),
+        num_drafted=drafted,
+        num_accepted=sum(r.num_accepted for r in runs),
+        decode_steps=decode_steps,
+        spec_steps=sum(r.spec_steps for r in runs),
+        controller=runs[-1].controller,
+        throughput_runs=[r.throughput_tok_s for r in runs],
+        tpots_ms=tpots,
+    )
 
 
 def encode_prompts(engine: LLMEngine, prompts: tuple[str, ...], tiny: bool) -> list[list[int]]:
@@ -183,7 +222,13 @@ def run_arm(
         mean_k=drafted / decode_steps if decode_steps else 0.0,
         speculating_fraction=spec_steps / decode_steps if decode_steps else 0.0,
         draft_forwards=forwards,
+        num_drafted=drafted,
+        num_accepted=accepted,
+        decode_steps=decode_steps,
+        spec_steps=spec_steps,
         controller=ctrl_stats,
+        throughput_runs=[out_tokens / wall if wall > 0 else 0.0],
+        tpots_ms=[1e3 * t for t in tpots],
     )
 
 
@@ -236,6 +281,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="requests per point and arm (default: max(concurrency, 4))",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of every arm per point, interleaved, the order reversed every other round "
+        "(drift on a shared machine cancels); throughput is their median",
+    )
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 24 tokens")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
@@ -270,21 +322,25 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.workloads:
         for c in args.concurrency:
             n = args.num_prompts or max(c, 4)
-            # Rotate the arm order per point so slow drift on a shared machine favours no arm.
+            # Rotate the arm order per point, and reverse it every other round, so slow drift on
+            # a shared machine favours no arm.
             order = args.arms[point % len(args.arms) :] + args.arms[: point % len(args.arms)]
             point += 1
-            for arm in order:
-                r = run_arm(
-                    engine, controllers[arm], arm, w, prompts[w], WORKLOADS[w][1], c, n,
-                    args.max_tokens,
-                )  # fmt: skip
-                results.append(r)
-                logger.info(
-                    "%s c=%d %-9s %7.2f tok/s  tpot p50 %7.1f ms p99 %7.1f ms  acc %.2f  "
-                    "mean k %.2f  fwd %d",
-                    w, c, arm, r.throughput_tok_s, r.tpot_median_ms, r.tpot_p99_ms,
-                    r.acceptance_rate, r.mean_k, r.draft_forwards,
-                )  # fmt: skip
+            runs: dict[str, list[ArmResult]] = {arm: [] for arm in order}
+            for rep in range(args.repeats):
+                for arm in order if rep % 2 == 0 else order[::-1]:
+                    r = run_arm(
+                        engine, controllers[arm], arm, w, prompts[w], WORKLOADS[w][1], c, n,
+                        args.max_tokens,
+                    )  # fmt: skip
+                    runs[arm].append(r)
+                    logger.info(
+                        "%s c=%d %-9s run %d: %7.2f tok/s  tpot p50 %7.1f ms p99 %7.1f ms  "
+                        "acc %.2f  mean k %.2f  fwd %d",
+                        w, c, arm, rep + 1, r.throughput_tok_s, r.tpot_median_ms, r.tpot_p99_ms,
+                        r.acceptance_rate, r.mean_k, r.draft_forwards,
+                    )  # fmt: skip
+            results += [merge_runs(runs[arm]) for arm in args.arms]
             # Results so far hit the disk after every point: an hour-long sweep that dies late
             # still leaves everything it measured.
             write_results(args, argv, adaptive, results, t0)
@@ -308,6 +364,7 @@ def write_results(
         "draft_model": "tiny-draft" if args.tiny else args.draft_model,
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
+        "repeats": args.repeats,
         "total_seconds": time.perf_counter() - t0,
         "controller_final": {k: v for k, v in adaptive.stats().items() if not isinstance(v, dict)},
     }

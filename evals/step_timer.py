@@ -57,6 +57,9 @@ class StepTimer:
     def choose_k(self, seqs):
         return self.inner.choose_k(seqs)
 
+    def expect_prefill(self, rows: int, seqs: int) -> None:
+        self.inner.expect_prefill(rows, seqs)
+
     def observe(self, obs) -> None:
         self.totals.num_steps += 1
         self.totals.step_time += obs.step_time

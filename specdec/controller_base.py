@@ -33,6 +33,11 @@ class SpeculationController(Protocol):
         """k for each decode-ready sequence (0 = plain decode, no draft work for it)."""
         ...
 
+    def expect_prefill(self, rows: int, seqs: int) -> None:
+        """The prefill rows (and their sequences) the next step can carry beside the decodes,
+        told by the engine just before ``choose_k`` so their cost is known, not guessed."""
+        ...
+
     def observe(self, obs: StepObservation) -> None:
         """Feed back one measured step."""
         ...
@@ -52,6 +57,9 @@ class StaticController:
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         self._last_ks = [0 if s.spec_mode == "off" else self.k_max for s in seqs]
         return self._last_ks
+
+    def expect_prefill(self, rows: int, seqs: int) -> None:
+        pass  # fixed k: the step's shape does not change the decision
 
     def observe(self, obs: StepObservation) -> None:
         pass

@@ -20,6 +20,7 @@ from specdec.controller import (
     CostModel,
     DraftCost,
     TargetCost,
+    TargetSample,
     build_controller,
     calibrate,
     expected_tokens,
@@ -313,6 +314,48 @@ def test_measured_curve_follows_a_jagged_step_time() -> None:
     assert max(abs(model.target(n, min(n, 8)) / t - 1) for n, t in jagged.items()) > 0.15
 
 
+def test_measured_row_counts_are_bounded_least_recent_forgotten() -> None:
+    """A long-running server sees thousands of prefill sizes: the curve keeps the newest few."""
+    model = CostModel(max_measured_sizes=4)
+    for n in range(1, 11):
+        model.observe_target(n, 1, 0.1 * n)
+    model.observe_target(7, 1, 0.7)  # measured again: now the most recent
+    assert model.target_curve().rows == [7.0, 8.0, 9.0, 10.0]
+    model.observe_target(3, 1, 0.3)
+    assert model.target_curve().rows == [3.0, 7.0, 9.0, 10.0]
+
+
+def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
+    """Calibration's bare forwards flatter verification (live steps at 16 sequences cost more than
+    bare forwards, and verify steps far more): the controller still measures a live plain step of
+    its batch size, and turns off once it sees plain is faster live."""
+    bare = TargetCost(base=0.30, per_seq=1e-3, slope_low=1e-4, knee=1024, slope_high=1e-4)
+    live = TargetCost(base=0.30, per_seq=1e-3, slope_low=5e-3, knee=12, slope_high=0.025)
+    draft = DraftCost(per_forward=0.03, per_row=2e-3, per_seq=1e-3)
+
+    def run(cost_probe_every: int) -> tuple[AdaptiveController, list[list[int]]]:
+        cost = CostModel(bare, draft)
+        shapes = [(s * r, s) for s in (1, 2, 4, 8, 16) for r in range(1, K_MAX + 2)]
+        cost.seed([TargetSample(n, s, bare(n, s), calibration=True) for n, s in shapes], [])
+        ctrl = AdaptiveController(
+            K_MAX,
+            cost=cost,
+            acceptance=AcceptanceTracker(K_MAX, initial=0.8),
+            params=AdaptiveParams(cost_probe_every=cost_probe_every),
+        )
+        hist = simulate(ctrl, make_seqs(16), lambda s, t: 0.8, live, draft, 200, random.Random(0))
+        return ctrl, hist
+
+    ctrl, hist = run(cost_probe_every=32)
+    assert any(k > 0 for k in hist[0])  # calibration says verifying is nearly free
+    assert ctrl.num_cost_probes >= 1
+    # Plain from then on, but for the odd acceptance probe of a few sequences.
+    assert sum(map(sum, hist[-50:])) <= 2 * 4 * 2
+    assert ctrl.cost.target_time(16, 16) == pytest.approx(live(16, 16), rel=0.05)
+    _, stuck = run(cost_probe_every=10**9)  # only speculating steps measured: never corrected
+    assert all(sum(ks) > 0 for ks in stuck[-50:])
+
+
 # ---- stats and logging ------------------------------------------------------------------------
 
 
@@ -362,6 +405,9 @@ class _ScriptedController:
         k = self.script[len(self.returned) % len(self.script)]
         self.returned.append([k] * len(seqs))
         return self.returned[-1]
+
+    def expect_prefill(self, rows: int, seqs: int) -> None:
+        pass
 
     def observe(self, obs) -> None:
         pass

@@ -9,7 +9,7 @@ from __future__ import annotations
 from specdec.controller.acceptance import AcceptanceTracker, expected_tokens, expected_tokens_table
 from specdec.controller.adaptive import AdaptiveController, AdaptiveParams
 from specdec.controller.calibration import CalibrationResult, calibrate
-from specdec.controller.cost_model import CostModel, DraftCost, TargetCost
+from specdec.controller.cost_model import CostModel, DraftCost, TargetCost, TargetSample
 from specdec.controller.factory import build_controller
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "CostModel",
     "DraftCost",
     "TargetCost",
+    "TargetSample",
     "build_controller",
     "calibrate",
     "expected_tokens",

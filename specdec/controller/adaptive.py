@@ -15,8 +15,10 @@ Each step (``choose_k``):
    acceptance under the current cost model, the draft's catch-up on the tokens it skipped
    included, so a batch that is off because verifying (or catching up) is expensive is not probed
    for nothing. Probes fall on multiples of ``probe_every`` so probing sequences share forwards;
-5. a batch that keeps speculating runs one step plain now and then when the cost fit has not
-   seen a plain step of that size lately, so a cost curve that flatters verification is corrected.
+5. a batch that keeps speculating runs one step plain now and then when no live plain step of
+   that size was measured lately (calibration's bare forwards do not count: a live step at many
+   sequences costs more than a bare forward, and by a share that grows with the batch), so a cost
+   curve that flatters verification is corrected.
 
 ``observe`` feeds acceptance counts to the tracker and (target, draft) times to the cost model.
 Decisions depend only on those measurements, never on the wall clock.

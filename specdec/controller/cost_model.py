@@ -243,6 +243,7 @@ class CostModel:
         knee_every: int = 64,
         measured_window: int = 9,
         curve_tolerance: float = 0.1,
+        max_measured_sizes: int = 256,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -262,7 +263,9 @@ class CostModel:
         self._draft_anchors: list[DraftSample] = []
         self.measured_window = measured_window
         self.curve_tolerance = curve_tolerance
-        # row count -> newest live steps with that many rows: (seconds, sequences)
+        self.max_measured_sizes = max_measured_sizes
+        # row count -> newest live steps with that many rows: (seconds, sequences); dict order is
+        # least recently measured first, at most ``max_measured_sizes`` row counts
         self._measured: dict[int, deque[tuple[float, int]]] = {}
         self._curve: TargetCurve | None = None  # built on demand, dropped when data changes
         self.num_observations = 0
@@ -311,8 +314,12 @@ class CostModel:
 
     def observe_target(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         self._target_live.append(TargetSample(num_tokens, num_seqs, seconds))
-        recent = self._measured.setdefault(num_tokens, deque(maxlen=self.measured_window))
+        recent = self._measured.pop(num_tokens, None) or deque(maxlen=self.measured_window)
         recent.append((seconds, num_seqs))
+        self._measured[num_tokens] = recent  # re-inserted: the dict's order is recency
+        if len(self._measured) > self.max_measured_sizes:
+            # A long-running server sees many prefill sizes once; forget the least recent.
+            del self._measured[next(iter(self._measured))]
         self._curve = None
         self._tick()
 
@@ -323,17 +330,15 @@ class CostModel:
             self._draft_live.append(DraftSample(len(forwards), rows, seqs, seconds))
 
     def has_plain_sample(self, lo: float, hi: float, recent: int = 256) -> bool:
-        """Whether a plain step (one row per sequence) with a row count in [lo, hi] is among the
-        calibration samples or the ``recent`` newest live steps: tells the controller whether the
-        model has seen the plain side of its choice at this batch size lately."""
-
-        def plain_in_range(s: TargetSample) -> bool:
-            return s.num_tokens == s.num_seqs and lo <= s.num_tokens <= hi
-
-        if any(plain_in_range(s) for s in self._target_anchors):
-            return True
+        """Whether a live plain step (one row per sequence) with a row count in [lo, hi] is among
+        the ``recent`` newest live steps: tells the controller whether the model has measured the
+        plain side of its choice at this batch size lately. Calibration forwards do not count:
+        they are bare forwards, and what a live step adds to one grows with the batch."""
         live = self._target_live
-        return any(plain_in_range(live[i]) for i in range(max(0, len(live) - recent), len(live)))
+        return any(
+            live[i].num_tokens == live[i].num_seqs and lo <= live[i].num_tokens <= hi
+            for i in range(max(0, len(live) - recent), len(live))
+        )
 
     def _tick(self) -> None:
         self.num_observations += 1

@@ -1,0 +1,68 @@
+"""The controller benchmark: repeats merge into one row per arm, results files are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals.bench_controller import ARMS, ArmResult, main, merge_runs
+
+
+def _run(throughput: float, tpots: list[float], drafted: int, accepted: int) -> ArmResult:
+    return ArmResult(
+        workload="code",
+        concurrency=2,
+        arm="adaptive",
+        num_requests=2,
+        output_tokens=64,
+        wall_s=64 / throughput,
+        throughput_tok_s=throughput,
+        tpot_median_ms=0.0,
+        tpot_p99_ms=0.0,
+        acceptance_rate=accepted / drafted,
+        mean_k=0.0,
+        speculating_fraction=0.0,
+        draft_forwards=drafted,
+        num_drafted=drafted,
+        num_accepted=accepted,
+        decode_steps=10,
+        spec_steps=5,
+        throughput_runs=[throughput],
+        tpots_ms=tpots,
+    )
+
+
+def test_merge_runs_takes_the_median_throughput_and_pools_the_rest() -> None:
+    runs = [
+        _run(10.0, [100.0, 110.0], 20, 10),
+        _run(30.0, [90.0], 20, 20),
+        _run(12.0, [95.0], 10, 5),
+    ]
+    merged = merge_runs(runs)
+    assert merged.throughput_tok_s == 12.0  # the median, not the mean (17.3)
+    assert merged.throughput_runs == [10.0, 30.0, 12.0]
+    assert merged.tpot_median_ms == pytest.approx(97.5)
+    assert merged.acceptance_rate == pytest.approx(35 / 50)
+    assert merged.mean_k == pytest.approx(50 / 30)
+    assert merged.speculating_fraction == pytest.approx(0.5)
+    assert merged.num_requests == 6 and merged.output_tokens == 192
+
+
+def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
+    argv = ["--tiny", "--quick", "--concurrency", "1", "--workloads", "code", "--repeats", "2"]
+    assert main([*argv, "--out-dir", str(tmp_path), "--name", "sweep"]) == 0
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert data["meta"]["repeats"] == 2
+    rows = data["results"]
+    assert sorted(r["arm"] for r in rows) == sorted(ARMS)
+    for r in rows:
+        assert len(r["throughput_runs"]) == 2
+        assert r["num_requests"] == 2 * 4  # max(c, 4) prompts per run
+        assert min(r["throughput_runs"]) <= r["throughput_tok_s"] <= max(r["throughput_runs"])
+    by_arm = {r["arm"]: r for r in rows}
+    assert by_arm["plain"]["num_drafted"] == 0 and by_arm["plain"]["draft_forwards"] == 0
+    assert by_arm["fixed-k2"]["mean_k"] <= 2.0 < by_arm["fixed-k4"]["mean_k"]
+    md = (tmp_path / "sweep.md").read_text()
+    assert "| 1 |" in md and "checks" in md
+    assert (tmp_path / "sweep.png").stat().st_size > 0
