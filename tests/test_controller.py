@@ -231,7 +231,9 @@ def test_no_flapping_on_noisy_inputs() -> None:
         return ctrl
 
     steady = run(margin=0.05)
-    assert steady.num_changes <= 8  # at most one settled change per sequence in 400 steps
+    # At most two settled changes per sequence in 400 steps (the first decisions are made on the
+    # prior's costs; the batch moves once or twice as the measured curve fills in).
+    assert steady.num_changes <= 16
     # The scenario is genuinely on the edge: without hysteresis the same inputs flap.
     assert run(margin=0.0).num_changes >= 3 * max(1, steady.num_changes)
 
@@ -312,6 +314,22 @@ def test_measured_curve_follows_a_jagged_step_time() -> None:
     assert model.target_time(5, 1) == pytest.approx((0.185 + 0.175) / 2, rel=0.05)
     assert model.target_time(80, 16) > model.target_time(40, 8)  # beyond: the fit's increase
     assert max(abs(model.target(n, min(n, 8)) / t - 1) for n, t in jagged.items()) > 0.15
+
+
+def test_one_stalled_step_does_not_move_the_curve() -> None:
+    """A row count measured once, during a stall, keeps its earlier estimate; three steps there
+    do move it. (A point that looked 20x too slow would never be chosen, so never be measured
+    again, so never be corrected.) A faster step counts at once: that row count gets chosen and
+    measured again."""
+    model = CostModel(TargetCost(base=0.3, per_seq=0.0, slope_low=0.01, knee=64, slope_high=0.01))
+    before = model.target_time(16, 16)
+    model.observe_target(16, 16, 20 * before)
+    model.observe_target(16, 16, 2 * before)
+    assert model.target_time(16, 16) == pytest.approx(before)
+    model.observe_target(16, 16, 2 * before)
+    assert model.target_time(16, 16) == pytest.approx(2 * before)  # median of 20x, 2x, 2x
+    model.observe_target(8, 8, 0.5 * model.target_time(8, 8))
+    assert model.target_time(8, 8) == pytest.approx(0.5 * model.target(8, 8))
 
 
 def test_measured_row_counts_are_bounded_least_recent_forgotten() -> None:

@@ -30,7 +30,8 @@ Measured curve on top: the parametric form is smooth, but a real step time need 
 the linear-layer kernels pick their blocking by row count, so 4 rows can run faster than 1 and 8
 slower than 6 (seen with oneDNN on two cores: 1 row 290 ms, 4 rows 185 ms, 8 rows 270 ms). So the
 model also keeps, per exact row count, the median of its last few live steps (or, before any live
-step, the calibration forward plus the fitted live-vs-bare offset) and, where that point is off
+step, the calibration forward plus the fitted live-vs-bare offset; with fewer than three live steps
+they may only lower the earlier estimate, so one stalled step cannot price a row count out) and, where that point is off
 the parametric fit by more than ``curve_tolerance``, predicts from the points: exactly at a
 measured count, linearly between two, and beyond the largest by the parametric fit's increase.
 The parametric fit alone answers only where no step of any size was measured yet.
@@ -244,6 +245,7 @@ class CostModel:
         measured_window: int = 9,
         curve_tolerance: float = 0.1,
         max_measured_sizes: int = 256,
+        min_measured: int = 3,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -264,6 +266,7 @@ class CostModel:
         self.measured_window = measured_window
         self.curve_tolerance = curve_tolerance
         self.max_measured_sizes = max_measured_sizes
+        self.min_measured = min_measured
         # row count -> newest live steps with that many rows: (seconds, sequences); dict order is
         # least recently measured first, at most ``max_measured_sizes`` row counts
         self._measured: dict[int, deque[tuple[float, int]]] = {}
@@ -285,11 +288,16 @@ class CostModel:
                 if t < measured.get(a.num_tokens, (float("inf"), 0))[0]:
                     measured[a.num_tokens] = (t, a.num_seqs)
             for n, recent in self._measured.items():
-                # The median resists the odd stalled step.
-                measured[n] = (
-                    statistics.median(t for t, _ in recent),
-                    statistics.fmean(s for _, s in recent),
-                )
+                seqs = statistics.fmean(s for _, s in recent)
+                t = statistics.median(t for t, _ in recent)  # resists the odd stalled step
+                if len(recent) < self.min_measured:
+                    # Too few steps for the median to resist a stall: until there are
+                    # ``min_measured``, they may only lower what was believed before
+                    # (calibration, else the fit). A row count that looked cheaper gets chosen
+                    # and measured again; one that looked expensive would be avoided and never
+                    # corrected.
+                    t = min(t, measured[n][0] if n in measured else self.target(n, seqs))
+                measured[n] = (t, seqs)
             points: list[tuple[float, float | None]] = []
             for n, (t, seqs) in sorted(measured.items()):
                 fit = self.target(n, seqs)
