@@ -328,7 +328,7 @@ def test_one_stalled_step_does_not_move_the_curve() -> None:
     assert model.target_time(16, 16) == pytest.approx(before)
     model.observe_target(16, 16, 2 * before)
     assert model.target_time(16, 16) == pytest.approx(2 * before)  # median of 20x, 2x, 2x
-    model.observe_target(8, 8, 0.5 * model.target_time(8, 8))
+    model.observe_target(8, 8, 0.5 * model.target(8, 8))
     assert model.target_time(8, 8) == pytest.approx(0.5 * model.target(8, 8))
 
 
