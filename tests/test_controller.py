@@ -316,20 +316,30 @@ def test_measured_curve_follows_a_jagged_step_time() -> None:
     assert max(abs(model.target(n, min(n, 8)) / t - 1) for n, t in jagged.items()) > 0.15
 
 
-def test_one_stalled_step_does_not_move_the_curve() -> None:
-    """A row count measured once, during a stall, keeps its earlier estimate; three steps there
-    do move it. (A point that looked 20x too slow would never be chosen, so never be measured
-    again, so never be corrected.) A faster step counts at once: that row count gets chosen and
-    measured again."""
-    model = CostModel(TargetCost(base=0.3, per_seq=0.0, slope_low=0.01, knee=64, slope_high=0.01))
+def test_one_stalled_step_cannot_price_a_row_count_out_for_good() -> None:
+    """A row count measured once, during a stall, looks expensive, so the controller avoids it
+    and never measures it again: with fewer than three steps and none lately, the point expires
+    and the earlier estimate returns. Three steps there make a point that stays."""
+    model = CostModel(
+        TargetCost(base=0.3, per_seq=0.0, slope_low=0.01, knee=64, slope_high=0.01),
+        stale_after=20,
+    )
     before = model.target_time(16, 16)
     model.observe_target(16, 16, 20 * before)
-    model.observe_target(16, 16, 2 * before)
-    assert model.target_time(16, 16) == pytest.approx(before)
-    model.observe_target(16, 16, 2 * before)
-    assert model.target_time(16, 16) == pytest.approx(2 * before)  # median of 20x, 2x, 2x
-    model.observe_target(8, 8, 0.5 * model.target(8, 8))
-    assert model.target_time(8, 8) == pytest.approx(0.5 * model.target(8, 8))
+    assert model.target_time(16, 16) == pytest.approx(20 * before)
+
+    def other_sizes() -> None:  # steps either side of 16 rows, at the true cost
+        for i in range(22):
+            n = 8 if i % 2 else 24
+            model.observe_target(n, n, true(n, n))
+
+    true = model.target
+    other_sizes()
+    assert model.target_time(16, 16) == pytest.approx(before, rel=0.05)
+    for _ in range(3):
+        model.observe_target(16, 16, 2 * before)
+    other_sizes()
+    assert model.target_time(16, 16) == pytest.approx(2 * before, rel=0.05)
 
 
 def test_measured_row_counts_are_bounded_least_recent_forgotten() -> None:

@@ -31,7 +31,8 @@ the linear-layer kernels pick their blocking by row count, so 4 rows can run fas
 slower than 6 (seen with oneDNN on two cores: 1 row 290 ms, 4 rows 185 ms, 8 rows 270 ms). So the
 model also keeps, per exact row count, the median of its last few live steps (or, before any live
 step, the calibration forward plus the fitted live-vs-bare offset; with fewer than three live steps
-they may only lower the earlier estimate, so one stalled step cannot price a row count out) and, where that point is off
+such a point expires after ``stale_after`` steps without another, so one stalled step cannot price a
+row count out for good) and, where that point is off
 the parametric fit by more than ``curve_tolerance``, predicts from the points: exactly at a
 measured count, linearly between two, and beyond the largest by the parametric fit's increase.
 The parametric fit alone answers only where no step of any size was measured yet.
@@ -246,6 +247,7 @@ class CostModel:
         curve_tolerance: float = 0.1,
         max_measured_sizes: int = 256,
         min_measured: int = 3,
+        stale_after: int = 256,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -267,9 +269,10 @@ class CostModel:
         self.curve_tolerance = curve_tolerance
         self.max_measured_sizes = max_measured_sizes
         self.min_measured = min_measured
-        # row count -> newest live steps with that many rows: (seconds, sequences); dict order is
-        # least recently measured first, at most ``max_measured_sizes`` row counts
-        self._measured: dict[int, deque[tuple[float, int]]] = {}
+        self.stale_after = stale_after
+        # row count -> newest live steps with that many rows: (seconds, sequences, observation
+        # number); dict order is least recently measured first, at most ``max_measured_sizes``
+        self._measured: dict[int, deque[tuple[float, int, int]]] = {}
         self._curve: TargetCurve | None = None  # built on demand, dropped when data changes
         self.num_observations = 0
         self.num_fits = 0
@@ -288,15 +291,16 @@ class CostModel:
                 if t < measured.get(a.num_tokens, (float("inf"), 0))[0]:
                     measured[a.num_tokens] = (t, a.num_seqs)
             for n, recent in self._measured.items():
-                seqs = statistics.fmean(s for _, s in recent)
-                t = statistics.median(t for t, _ in recent)  # resists the odd stalled step
-                if len(recent) < self.min_measured:
-                    # Too few steps for the median to resist a stall: until there are
-                    # ``min_measured``, they may only lower what was believed before
-                    # (calibration, else the fit). A row count that looked cheaper gets chosen
-                    # and measured again; one that looked expensive would be avoided and never
-                    # corrected.
-                    t = min(t, measured[n][0] if n in measured else self.target(n, seqs))
+                if (
+                    len(recent) < self.min_measured
+                    and self.num_observations - recent[-1][2] > self.stale_after
+                ):
+                    # Too few steps for the median to resist a stall, and none lately: a row
+                    # count priced out by one stall would be avoided, so never measured again,
+                    # so never corrected. Such a point expires; the earlier estimate returns.
+                    continue
+                seqs = statistics.fmean(s for _, s, _ in recent)
+                t = statistics.median(t for t, _, _ in recent)  # resists the odd stalled step
                 measured[n] = (t, seqs)
             points: list[tuple[float, float | None]] = []
             for n, (t, seqs) in sorted(measured.items()):
@@ -323,7 +327,7 @@ class CostModel:
     def observe_target(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         self._target_live.append(TargetSample(num_tokens, num_seqs, seconds))
         recent = self._measured.pop(num_tokens, None) or deque(maxlen=self.measured_window)
-        recent.append((seconds, num_seqs))
+        recent.append((seconds, num_seqs, self.num_observations))
         self._measured[num_tokens] = recent  # re-inserted: the dict's order is recency
         if len(self._measured) > self.max_measured_sizes:
             # A long-running server sees many prefill sizes once; forget the least recent.
@@ -338,15 +342,17 @@ class CostModel:
             self._draft_live.append(DraftSample(len(forwards), rows, seqs, seconds))
 
     def has_plain_sample(self, lo: float, hi: float, recent: int = 256) -> bool:
-        """Whether a live plain step (one row per sequence) with a row count in [lo, hi] is among
-        the ``recent`` newest live steps: tells the controller whether the model has measured the
-        plain side of its choice at this batch size lately. Calibration forwards do not count:
-        they are bare forwards, and what a live step adds to one grows with the batch."""
+        """Whether ``min_measured`` live plain steps (one row per sequence) with a row count in
+        [lo, hi] are among the ``recent`` newest live steps: tells the controller whether the
+        model has measured the plain side of its choice at this batch size lately (enough steps
+        for the curve to take them at face value). Calibration forwards do not count: they are
+        bare forwards, and what a live step adds to one grows with the batch."""
         live = self._target_live
-        return any(
+        found = sum(
             live[i].num_tokens == live[i].num_seqs and lo <= live[i].num_tokens <= hi
             for i in range(max(0, len(live) - recent), len(live))
         )
+        return found >= self.min_measured
 
     def _tick(self) -> None:
         self.num_observations += 1
