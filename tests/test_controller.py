@@ -73,7 +73,19 @@ def test_single_sequence_k_maximises_goodput(acceptance: float, draft_ratio: flo
     def goodput(j: int) -> float:
         return (1 - acceptance ** (j + 1)) / (1 - acceptance) / (base + j * draft_ratio * base)
 
-    assert k == max(range(K_MAX + 1), key=goodput)
+    best = max(range(K_MAX + 1), key=goodput)
+    clearly_better = goodput(best) > goodput(0) * (1 + AdaptiveParams().plain_margin)
+    assert k == (best if clearly_better else 0)
+
+
+def test_speculates_only_when_clearly_better_than_plain() -> None:
+    """k = 1 would be 4% faster than plain here: within the prediction's errors, so plain. Turned
+    off, the margin no longer holds it back; at a higher acceptance (23% faster) it speculates."""
+    target = TargetCost(base=0.010, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
+    assert controller(0.35, target, draft).choose_k(make_seqs(1)) == [0]
+    assert controller(0.35, target, draft, plain_margin=0.0).choose_k(make_seqs(1)) == [1]
+    assert controller(0.6, target, draft).choose_k(make_seqs(1))[0] > 0
 
 
 def test_low_acceptance_gives_k0_high_gives_k_positive() -> None:
@@ -168,12 +180,14 @@ def test_reprobing_brings_a_sequence_back_after_its_acceptance_rises() -> None:
     def run(probe_every: int) -> list[list[int]]:
         rng = random.Random(1)
         ctrl = controller(0.5, probe_every=probe_every)
-        seqs = make_seqs(4)
+        seqs = make_seqs(1)
         return simulate(ctrl, seqs, acceptance, GPU_TARGET, GPU_DRAFT, 500, rng, noise=0.05)
 
     hist = run(probe_every=16)
     assert hist[rise_at - 1][0] == 0  # off while its drafts were bad
-    assert all(ks[0] > 0 for ks in hist[-20:])  # back on, and staying on
+    # Back on soon, and staying on (but for the odd plain step that keeps the cost fit honest).
+    assert all(ks[0] > 0 for ks in hist[rise_at + 40 : rise_at + 60])
+    assert sum(ks[0] > 0 for ks in hist[-100:]) >= 95
     # Without probing nothing new is ever learnt about a sequence at k = 0: it stays off.
     never = run(probe_every=10**9)
     assert all(ks[0] == 0 for ks in never[-20:])
@@ -226,7 +240,7 @@ def test_no_flapping_on_noisy_inputs() -> None:
 
     def run(margin: float) -> AdaptiveController:
         rng = random.Random(1)
-        ctrl = controller(a, margin=margin)
+        ctrl = controller(a, margin=margin, plain_margin=margin)
         simulate(ctrl, make_seqs(8), lambda s, t: a, GPU_TARGET, GPU_DRAFT, 400, rng, noise=0.1)
         return ctrl
 
@@ -369,7 +383,8 @@ def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
             K_MAX,
             cost=cost,
             acceptance=AcceptanceTracker(K_MAX, initial=0.8),
-            params=AdaptiveParams(cost_probe_every=cost_probe_every),
+            # The margin over plain off: this is about what the cost probe measures, alone.
+            params=AdaptiveParams(cost_probe_every=cost_probe_every, plain_margin=0.0),
         )
         hist = simulate(ctrl, make_seqs(16), lambda s, t: 0.8, live, draft, 200, random.Random(0))
         return ctrl, hist

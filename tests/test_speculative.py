@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,6 +62,9 @@ def test_mixed_batch_speculating_plain_and_prefilling(target, unrelated_draft, m
         num_speculative_tokens=3,
         max_num_batched_tokens=20,  # long prompts prefill over several steps beside decodes
     )
+    # This is about the engine mixing speculating, plain and prefilling sequences in one step:
+    # the controller may take any predicted gain, so 'auto' sequences speculate too.
+    engine.controller.params = replace(engine.controller.params, plain_margin=0.0)
     free0 = engine.allocator.num_free_blocks
     ps = prompts()
     # Repetitive prompts give the n-gram proposer something to find.

@@ -8,7 +8,9 @@ Each step (``choose_k``):
    decision held from the last step, from all-off and from every uniform k;
 3. hysteresis: the new assignment replaces the held one only if it beats it by ``margin`` times
    the share of the batch whose k changes, so one sequence's noisy estimate cannot flip the batch
-   and the whole batch cannot flip on a change worth less than ``margin``;
+   and the whole batch cannot flip on a change worth less than ``margin``; and speculation at
+   all must be predicted to beat plain decode by ``plain_margin`` (plain is the safe side of
+   every error the prediction makes);
 4. a sequence held at k = 0 has no new acceptance data, so now and then (after ``probe_every``
    steps, doubling after each poor probe, back to ``probe_every`` after a promising one) it
    drafts ``probe_k`` tokens for one step - but only when speculation could pay for it at a high
@@ -44,6 +46,7 @@ PROBE_PAYBACK_STEPS = 8  # steps of speculation over which a probe's draft catch
 @dataclass(frozen=True)
 class AdaptiveParams:
     margin: float = 0.03  # relative goodput gain needed to change the held decision
+    plain_margin: float = 0.08  # relative gain over all-plain needed to speculate at all
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
     probe_k: int = 2
@@ -144,6 +147,7 @@ class AdaptiveController:
         best, v_best = batch.search(starts)
         changed = sum(a != b for a, b in zip(best, held, strict=True)) / max(1, len(seqs))
         chosen = best if v_best > v_held * (1.0 + self.params.margin * changed) else held
+        chosen = self._plain_unless_clearly_better(batch, chosen)
         batch.assign(chosen)
         out = list(chosen)
         probes: list[int] = []
@@ -157,6 +161,23 @@ class AdaptiveController:
         self._last = _Decision(out, batch.value(), batch.step_time())
         self._forget_stale()
         return out
+
+    def _plain_unless_clearly_better(self, batch: BatchGoodput, chosen: list[int]) -> list[int]:
+        """All 'auto' sequences plain unless speculating is predicted to beat that by
+        ``plain_margin``.
+
+        Plain decode is the safe side of every error the prediction makes: sequences picked for
+        a high acceptance estimate draft worse afterwards (regression to the mean), a sequence
+        that starts drafting again pays its draft's catch-up, and speculating shapes, mixed ones
+        above all, have fewer live steps behind their predicted cost. A predicted gain smaller
+        than those errors is not worth taking.
+        """
+        plain = batch.clamp([0] * len(chosen))
+        if chosen == plain or self.params.plain_margin <= 0:
+            return chosen
+        v_chosen = batch.assign(chosen)
+        v_plain = batch.assign(plain)
+        return chosen if v_chosen > v_plain * (1.0 + self.params.plain_margin) else plain
 
     def _terms(self, seq: Sequence, prior: list[float]) -> SeqTerms:
         room = self._max_useful_k(seq)
