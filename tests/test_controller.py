@@ -202,6 +202,22 @@ def test_probing_is_skipped_when_verification_cannot_pay() -> None:
     assert all(k == 0 for ks in hist for k in ks)
 
 
+def test_no_probe_for_a_gain_the_decision_would_not_take() -> None:
+    """A draft forward 85% of a target step: even at the probe's optimistic acceptance (0.9)
+    speculating would be under 3% faster than plain, below the margin the decision asks, so a
+    probe (whose draft catch-up is paid at once) would buy nothing. Without the margin it probes."""
+    target = TargetCost(base=0.010, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    draft = DraftCost(per_forward=0.0085, per_row=0.0, per_seq=0.0)
+
+    def probes(plain_margin: float) -> int:
+        ctrl = controller(0.05, target, draft, plain_margin=plain_margin)
+        simulate(ctrl, make_seqs(1), lambda s, t: 0.05, target, draft, 200, random.Random(3))
+        return ctrl.num_probes
+
+    assert probes(AdaptiveParams().plain_margin) == 0
+    assert probes(0.0) > 0
+
+
 def test_a_cost_curve_that_flatters_verification_is_corrected_by_measurement() -> None:
     """The prior says verify rows are free; the machine (CPU-like) says 25 ms each past 12 rows.
 

@@ -259,8 +259,12 @@ class AdaptiveController:
             batch.num_seqs - len(terms),
             self.per_position_forwards,
         )
-        trial.assign(chosen)
-        trial.search([chosen, [self.k_max] * len(chosen)], refine=2)
+        v_chosen = trial.assign(chosen)
+        v_trial = trial.search([chosen, [self.k_max] * len(chosen)], refine=2)[1]
+        # The same bar as the decision itself: a gain the decision would not take even if the
+        # optimistic acceptance came true is not worth a probe (whose catch-up is paid now).
+        if v_trial <= v_chosen * (1.0 + p.plain_margin):
+            return []
         probes = [i for i in due if trial.ks[i] > 0]
         for i in probes:
             out[i] = min(p.probe_k, terms[i].max_k)
