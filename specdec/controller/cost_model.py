@@ -32,9 +32,9 @@ slower than 6 (seen with oneDNN on two cores: 1 row 290 ms, 4 rows 185 ms, 8 row
 model also keeps, per exact row count, the median of its last few live steps (or, before any live
 step, the calibration forward plus the fitted live-vs-bare offset; with fewer than three live steps
 such a point expires after ``stale_after`` steps without another, so one stalled step cannot price a
-row count out for good) and, where that point is off
-the parametric fit by more than ``curve_tolerance``, predicts from the points: exactly at a
-measured count, linearly between two, and beyond the largest by the parametric fit's increase.
+row count out for good) and, where that point is off the parametric fit by more than
+``curve_tolerance``, predicts from the points: exactly at a measured count, linearly between two,
+and beyond the largest by the parametric fit's increase.
 The parametric fit alone answers only where no step of any size was measured yet.
 """
 
