@@ -415,6 +415,45 @@ def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
     assert all(sum(ks) > 0 for ks in stuck[-50:])
 
 
+def test_a_row_count_mispriced_by_calibration_is_measured_live() -> None:
+    """Calibration's bare forward at 3 rows says 330 ms; live it takes 200 ms (a CPU kernel's
+    blocking changes with the row count). k = 2 (3 rows) is predicted within 10% of the best k,
+    so the controller runs it now and then until it has live steps there, and then keeps it.
+    Without those shape probes k = 2 is never chosen, so never measured, so never corrected."""
+    flat = 0.30
+    live = {3: 0.20}
+    draft = DraftCost(per_forward=0.02, per_row=0.0, per_seq=0.0)
+
+    def true_target(n: float, s: float) -> float:
+        return live.get(int(n), flat)
+
+    def run(shape_probe_every: int) -> tuple[AdaptiveController, list[list[int]]]:
+        # No tolerance: every calibrated row count is a point of the curve as measured.
+        cost = CostModel(
+            TargetCost(base=flat, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0),
+            draft,
+            curve_tolerance=0.0,
+        )
+        bare = {n: (0.33 if n == 3 else flat) for n in range(1, K_MAX + 2)}
+        cost.seed([TargetSample(n, 1, t, calibration=True) for n, t in bare.items()], [])
+        ctrl = AdaptiveController(
+            K_MAX,
+            cost=cost,
+            acceptance=AcceptanceTracker(K_MAX, initial=0.5),
+            params=AdaptiveParams(shape_probe_every=shape_probe_every),
+        )
+        rng = random.Random(3)
+        hist = simulate(ctrl, make_seqs(1), lambda s, t: 0.5, true_target, draft, 300, rng)
+        return ctrl, hist
+
+    ctrl, hist = run(shape_probe_every=8)
+    assert ctrl.num_shape_probes >= 1
+    assert ctrl.cost.target_time(3, 1) == pytest.approx(0.20, rel=0.05)
+    assert sum(ks == [2] for ks in hist[-100:]) >= 90
+    _, stuck = run(shape_probe_every=10**9)
+    assert sum(ks == [2] for ks in stuck) == 0
+
+
 # ---- stats and logging ------------------------------------------------------------------------
 
 

@@ -20,7 +20,10 @@ Each step (``choose_k``):
 5. a batch that keeps speculating runs one step plain now and then when no live plain step of
    that size was measured lately (calibration's bare forwards do not count: a live step at many
    sequences costs more than a bare forward, and by a share that grows with the batch), so a cost
-   curve that flatters verification is corrected.
+   curve that flatters verification is corrected;
+6. likewise the drafting sequences run one step at another k now and then when that step's row
+   count is predicted within ``shape_probe_tolerance`` of the decision but has few live steps
+   behind it, so a row count mispriced by calibration is measured instead of avoided for good.
 
 ``observe`` feeds acceptance counts to the tracker and (target, draft) times to the cost model.
 Decisions depend only on those measurements, never on the wall clock.
@@ -52,6 +55,8 @@ class AdaptiveParams:
     probe_k: int = 2
     probe_acceptance: float = 0.9  # a probe must be able to pay off at this acceptance
     cost_probe_every: int = 32  # how often to check the fit has seen a plain step of this size
+    shape_probe_every: int = 8  # how often to look for a near-best row count not measured live
+    shape_probe_tolerance: float = 0.1  # ... predicted within this share of the decided step
     prefill_ema: float = 0.5  # weight of the newest step in the prefill-rows estimate
     log_every: int = 100  # debug log line every this many observed steps (0: never)
 
@@ -110,6 +115,7 @@ class AdaptiveController:
         self._expected_prefill: tuple[int, int] | None = None  # told by the engine, next step
         self.num_probes = 0
         self.num_cost_probes = 0
+        self.num_shape_probes = 0
         self.num_changes = 0
 
     # ---- decision ---------------------------------------------------------------------------
@@ -156,6 +162,8 @@ class AdaptiveController:
             probes = self._probes(seqs, terms, batch, chosen, prior, out)
         elif now % p.cost_probe_every == p.cost_probe_every // 4:
             self._cost_probe(seqs, terms, batch, out)
+        elif now % p.shape_probe_every == p.shape_probe_every // 2:
+            self._shape_probe(terms, batch, out)
         batch.assign(out)  # the predicted step below is the one that will run
         self._update_states(seqs, chosen, set(probes))
         self._last = _Decision(out, batch.value(), batch.step_time())
@@ -290,6 +298,40 @@ class AdaptiveController:
             out[i] = 0
         self.num_cost_probes += 1
 
+    def _shape_probe(self, terms: list[SeqTerms], batch: BatchGoodput, out: list[int]) -> None:
+        """Run the speculating sequences at another k for one step when that k's row count is
+        predicted nearly as good as the decision but has not been measured live lately.
+
+        A row count the controller does not choose is never measured live, so its price stays
+        whatever a bare calibration forward or the fit said. On a CPU that can be far off (row
+        counts 3 and 5 at one sequence: 308 and 199 ms calibrated, 293 and 279 ms live), and the
+        decision then avoids a k that is as good or better, for good. Only sequences already
+        drafting move (no catch-up to pay), only to a near-best shape, and a shape stops being a
+        candidate once it has ``min_measured`` recent live steps, so the cost is bounded.
+        """
+        auto = [i for i, t in enumerate(terms) if t.fixed_k is None and out[i] > 0]
+        if not auto:
+            return
+        v_out = batch.assign(out)
+        n_fixed = batch.extra_tokens + len(terms) + sum(out) - sum(out[i] for i in auto)
+        best: tuple[float, list[int]] | None = None
+        for k in range(1, self.k_max + 1):
+            trial = list(out)
+            for i in auto:
+                trial[i] = min(k, terms[i].max_k)
+            rows = round(n_fixed + sum(trial[i] for i in auto))
+            if trial == out or self.cost.num_live_at(rows) >= self.cost.min_measured:
+                continue
+            v = batch.assign(trial)
+            if v >= v_out * (1.0 - self.params.shape_probe_tolerance) and (
+                best is None or v > best[0]
+            ):
+                best = (v, trial)
+        batch.assign(out)
+        if best is not None:
+            out[:] = best[1]
+            self.num_shape_probes += 1
+
     def _update_states(self, seqs: list[Sequence], chosen: list[int], probes: set[int]) -> None:
         now, p = self._num_decisions, self.params
         for i, seq in enumerate(seqs):
@@ -391,6 +433,7 @@ class AdaptiveController:
             "prefill_rows_estimate": self.extra_tokens,
             "num_probes": self.num_probes,
             "num_cost_probes": self.num_cost_probes,
+            "num_shape_probes": self.num_shape_probes,
             "num_decision_changes": self.num_changes,
             "acceptance_prior": [round(a, 4) for a in prior],
             "mean_acceptance": sum(first) / len(first) if first else prior[0],

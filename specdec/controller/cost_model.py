@@ -354,6 +354,13 @@ class CostModel:
         )
         return found >= self.min_measured
 
+    def num_live_at(self, num_tokens: int, recent: int = 256) -> int:
+        """Live steps with exactly ``num_tokens`` rows among the ``recent`` newest observations
+        (at most ``measured_window``): how much the curve's point there rests on live data rather
+        than on a bare calibration forward or the fit."""
+        samples = self._measured.get(num_tokens, ())
+        return sum(self.num_observations - idx <= recent for _, _, idx in samples)
+
     def _tick(self) -> None:
         self.num_observations += 1
         self._since_fit += 1
