@@ -346,6 +346,28 @@ def test_measured_curve_follows_a_jagged_step_time() -> None:
     assert max(abs(model.target(n, min(n, 8)) / t - 1) for n, t in jagged.items()) > 0.15
 
 
+def test_a_measured_point_is_shifted_to_the_batch_it_prices() -> None:
+    """32 rows measured live only at 8 sequences (a jagged point the smooth fit misses by 19%)
+    still prices 32 rows at 16 sequences right: the fit's per-sequence slope moves the point.
+    Priced as measured, a batch grown from 8 to 16 sequences would see its verify steps 16% too
+    cheap."""
+
+    def true(n: int, s: int) -> float:
+        return 0.2 + 0.012 * s + 0.004 * n + (0.08 if n == 32 else 0.0)
+
+    rng = np.random.default_rng(2)
+    model = CostModel()
+    shapes = [(8, 8), (16, 8), (24, 8), (32, 8), (40, 8), (16, 16), (48, 16), (64, 16)]
+    for i in range(400):
+        n, s = shapes[i % len(shapes)]
+        model.observe_target(n, s, true(n, s) * (1 + 0.02 * rng.standard_normal()))
+    model.refit(search_knee=True)
+    assert model.target_time(32, 8) == pytest.approx(true(32, 8), rel=0.05)
+    assert model.target_time(32, 16) == pytest.approx(true(32, 16), rel=0.05)
+    assert model.target_time(16, 16) == pytest.approx(true(16, 16), rel=0.05)
+    assert model.target_time(16, 8) == pytest.approx(true(16, 8), rel=0.05)
+
+
 def test_one_stalled_step_cannot_price_a_row_count_out_for_good() -> None:
     """A row count measured once, during a stall, looks expensive, so the controller avoids it
     and never measures it again: with fewer than three steps and none lately, the point expires

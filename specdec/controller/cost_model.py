@@ -34,7 +34,8 @@ step, the calibration forward plus the fitted live-vs-bare offset; with fewer th
 such a point expires after ``stale_after`` steps without another, so one stalled step cannot price a
 row count out for good) and, where that point is off the parametric fit by more than
 ``curve_tolerance``, predicts from the points: exactly at a measured count, linearly between two,
-and beyond the largest by the parametric fit's increase.
+and beyond the largest by the parametric fit's increase. A point is shifted by the fit's per-sequence
+slope when asked about another sequence count than it was measured at.
 The parametric fit alone answers only where no step of any size was measured yet.
 """
 
@@ -86,20 +87,26 @@ class DraftCost:
 class TargetCurve:
     """Target step seconds from measured row counts, the parametric fit filling the gaps.
 
-    ``points`` are (row count, seconds or None) sorted by row count, None where the fit already
-    agrees with the measurement; see the module docstring.
+    ``points`` are (row count, seconds or None, sequences measured) sorted by row count, None where
+    the fit already agrees with the measurement; see the module docstring. A measured point holds
+    for the sequences it was measured at: at another count the fit's per-sequence slope shifts it
+    (32 rows at 16 sequences cost more than 32 rows at 8, and a batch that grows from 8 to 16
+    would otherwise price its verify steps at the smaller batch's time).
     """
 
     def __init__(
-        self, points: Sequence[tuple[float, float | None]], parametric: TargetCost
+        self, points: Sequence[tuple[float, float | None, float]], parametric: TargetCost
     ) -> None:
-        self.rows = [float(n) for n, _ in points]
-        self.seconds = [t for _, t in points]
+        self.rows = [float(n) for n, _, _ in points]
+        self.seconds = [t for _, t, _ in points]
+        self.seqs = [float(s) for _, _, s in points]
         self.parametric = parametric
 
     def _at(self, i: int, num_seqs: float) -> float:
         t = self.seconds[i]
-        return self.parametric(self.rows[i], num_seqs) if t is None else t
+        if t is None:
+            return self.parametric(self.rows[i], num_seqs)
+        return t + self.parametric.per_seq * (num_seqs - self.seqs[i])
 
     def __call__(self, num_tokens: float, num_seqs: float) -> float:
         rows, fit = self.rows, self.parametric
@@ -300,15 +307,18 @@ class CostModel:
                     # so never corrected. Such a point expires; the earlier estimate returns.
                     continue
                 seqs = statistics.fmean(s for _, s, _ in recent)
-                t = statistics.median(t for t, _, _ in recent)  # resists the odd stalled step
+                # The median resists the odd stalled step; steps of this row count at other
+                # sequence counts are first moved to the mean count by the fit's slope.
+                per_seq = self.target.per_seq
+                t = statistics.median(t + per_seq * (seqs - s) for t, s, _ in recent)
                 measured[n] = (t, seqs)
-            points: list[tuple[float, float | None]] = []
+            points: list[tuple[float, float | None, float]] = []
             for n, (t, seqs) in sorted(measured.items()):
                 fit = self.target(n, seqs)
                 # Within the noise of the fit, the fit is the better estimate (it pools every
                 # step; a point holds a few): keep the point only where the fit is clearly off.
                 keep = abs(t - fit) > self.curve_tolerance * fit
-                points.append((n, t if keep else None))
+                points.append((n, t if keep else None, seqs))
             self._curve = TargetCurve(points, self.target)
         return self._curve
 
