@@ -155,6 +155,41 @@ def test_a_prefill_chunk_does_not_make_verify_rows_look_free() -> None:
     assert sum(under_knee.choose_k(make_seqs(8))) > 0  # below the knee verify rows are cheap
 
 
+def test_decodes_beside_a_prefill_chunk_still_speculate_while_verify_rows_are_cheap() -> None:
+    """A 40-row chunk keeps the step under the 64-row knee. What plain decodes add to that step is
+    tiny, so a ratio of added time would call plain "6000 tokens/s" and never draft beside a
+    prefill; priced at what the time commits in a decode-only step, drafting is clearly better."""
+    ctrl = controller(0.8)
+    seqs = make_seqs(4)
+    alone = ctrl.choose_k(seqs)
+    assert all(k > 0 for k in alone)
+    ctrl.expect_prefill(40, 1)
+    assert ctrl.choose_k(seqs) == alone
+    # The reported step is the whole step, chunk included, and its goodput is decode tokens over
+    # that time (not over what the decodes add).
+    s = ctrl.stats()
+    whole = ctrl.cost.target_time(40 + 4 + sum(alone), 5)
+    assert s["predicted_step_time_s"] > whole
+    assert s["predicted_goodput_tokens_per_s"] < 4 * (K_MAX + 1) / whole
+
+
+def test_a_prefill_chunk_prices_decode_time_at_the_decode_only_rate() -> None:
+    """On a CPU-like curve (a draft forward ~40% of a target step) beside a 47-row chunk, one
+    sequence's plain row adds 42 ms and drafting 4 adds ~0.6 s for 3.4 more tokens: worth it at
+    the ~5.8 tokens/s decode-only rate, which the objective compares against, not at the 24
+    tokens/s a ratio of the added time would credit the plain row with."""
+    target = TargetCost(base=0.235, per_seq=0.027, slope_low=0.0, knee=8, slope_high=0.015)
+    draft = DraftCost(per_forward=0.119, per_row=0.0038, per_seq=0.0009)
+    ctrl = controller(0.93, target, draft, plain_margin=0.0)
+    ctrl.expect_prefill(47, 1)
+    assert ctrl.choose_k(make_seqs(1))[0] > 0
+    # A chunk that makes each verify row expensive (past the knee on a GPU-like curve, 20x a
+    # row below it) still turns drafting off.
+    ctrl = controller(0.8)
+    ctrl.expect_prefill(200, 1)
+    assert ctrl.choose_k(make_seqs(4)) == [0, 0, 0, 0]
+
+
 def test_scheduler_reports_the_prefill_rows_the_next_step_can_carry(tiny_pair) -> None:
     target, draft = tiny_pair
     engine = make_engine(target, draft, max_num_seqs=2, max_num_batched_tokens=64)

@@ -166,7 +166,7 @@ class AdaptiveController:
             self._shape_probe(terms, batch, out)
         batch.assign(out)  # the predicted step below is the one that will run
         self._update_states(seqs, chosen, set(probes))
-        self._last = _Decision(out, batch.value(), batch.step_time())
+        self._last = _Decision(out, batch.tokens_per_s(), batch.step_time())
         self._forget_stale()
         return out
 
