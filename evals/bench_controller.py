@@ -284,9 +284,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--repeats",
         type=int,
-        default=2,
+        default=3,
         help="runs of every arm per point, interleaved, the order reversed every other round "
-        "(drift on a shared machine cancels); throughput is their median",
+        "(drift on a shared machine cancels); throughput is their median, which a single run "
+        "caught by a slow spell of a shared machine does not move",
     )
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 24 tokens")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
