@@ -217,6 +217,7 @@ class LLMEngine:
         spec_items = [s for s in plan.scheduled if s.num_spec_tokens > 0]
         proposals: dict[int, Proposal] = {}
         draft_time = 0.0
+        draft_forwards: list[tuple[int, int]] = []
         if spec_items:
             assert self.proposer is not None
             td = time.perf_counter()
@@ -224,6 +225,7 @@ class LLMEngine:
                 item.num_spec_tokens = len(prop.token_ids)
                 proposals[item.seq.seq_id] = prop
             draft_time = time.perf_counter() - td
+            draft_forwards = list(self.proposer.last_forwards)
         tt = time.perf_counter()
         outputs = self._verify_and_commit(plan, proposals)
         target_time = time.perf_counter() - tt
@@ -235,6 +237,7 @@ class LLMEngine:
                 target_time=target_time,
                 num_target_tokens=plan.num_batched_tokens,
                 num_seqs=len(plan.scheduled),
+                draft_forwards=draft_forwards,
                 outcomes=self._last_outcomes,
             )
         )

@@ -21,6 +21,10 @@ Real pair (slow on a CPU: about an hour for the full sweep on two cores):
 Smoke run on tiny random models (a minute or two):
 
     python -m evals.bench_controller --tiny --quick
+
+Per-step trace (``--trace steps.jsonl``, see ``evals.controller_trace``): every decode step of
+every arm with its measured and predicted target/draft time and expected vs committed tokens,
+plus ``steps.md``, a table of them by shape.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -40,6 +45,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import SpecStats
 from evals.bench_controller_report import write_markdown, write_plot
+from evals.controller_trace import TracingController, summarize
 from specdec.controller import AdaptiveController, build_controller
 from specdec.controller_base import SpeculationController, StaticController
 
@@ -166,9 +172,14 @@ def run_arm(
     concurrency: int,
     num_prompts: int,
     max_tokens: int,
+    trace: tuple[AdaptiveController, TextIO] | None = None,
 ) -> ArmResult:
-    """Closed loop: keep ``concurrency`` requests in flight until ``num_prompts`` finished."""
+    """Closed loop: keep ``concurrency`` requests in flight until ``num_prompts`` finished.
+    ``trace``: (the model that prices each step, where its JSON lines go), or None."""
     engine.controller = controller
+    if trace is not None:
+        tags = {"workload": workload, "concurrency": concurrency, "arm": arm}
+        engine.controller = TracingController(controller, trace[0], trace[1], tags)
     speculative = "off" if arm == "plain" else "auto"
     queue = [
         (
@@ -293,6 +304,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     p.add_argument("--name", default=None, help="file stem (default bench_controller[_tiny])")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write every decode step of every arm here (JSON lines; a .md summary beside it)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency = [c for c in args.concurrency if c in (1, 4)] or [1, 4]
@@ -320,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[ArmResult] = []
     point = 0
+    trace_sink: TextIO | None = None
+    if args.trace is not None:
+        args.trace.parent.mkdir(parents=True, exist_ok=True)
+        trace_sink = args.trace.open("w")
+    trace = (adaptive, trace_sink) if trace_sink is not None else None
     for w in args.workloads:
         for c in args.concurrency:
             n = args.num_prompts or max(c, 4)
@@ -332,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in order if rep % 2 == 0 else order[::-1]:
                     r = run_arm(
                         engine, controllers[arm], arm, w, prompts[w], WORKLOADS[w][1], c, n,
-                        args.max_tokens,
+                        args.max_tokens, trace,
                     )  # fmt: skip
                     runs[arm].append(r)
                     logger.info(
@@ -346,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
             # still leaves everything it measured.
             write_results(args, argv, adaptive, results, t0)
     json_path = write_results(args, argv, adaptive, results, t0, with_plot=True)
+    if trace_sink is not None:
+        trace_sink.close()
+        with args.trace.open() as f:
+            table = summarize(json.loads(line) for line in f)
+        args.trace.with_suffix(".md").write_text(table)
+        logger.info("wrote the step trace %s and its summary (.md)", args.trace)
     logger.info("wrote %s (.md, .png) in %.0f s", json_path, time.perf_counter() - t0)
     return 0
 

@@ -24,6 +24,9 @@ class Proposal:
 
 class Proposer(Protocol):
     name: str
+    # (rows, sequences) of each forward the last ``propose`` ran, for the controller's draft-cost
+    # fit; a lookup proposer reports its whole lookup as one pseudo-forward.
+    last_forwards: list[tuple[int, int]]
 
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
         """Draft up to item.num_spec_tokens tokens after each item's sequence (one per item)."""
@@ -38,14 +41,18 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min = n_min
         self.n_max = n_max
+        self.last_forwards: list[tuple[int, int]] = []
 
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
-        return [
+        out = [
             Proposal(
                 propose_ngram(it.seq.token_ids, it.num_spec_tokens, self.n_min, self.n_max), None
             )
             for it in items
         ]
+        found = [len(p.token_ids) for p in out if p.token_ids]
+        self.last_forwards = [(sum(found), len(found))] if found else []
+        return out
 
 
 class DraftModelProposer:
@@ -63,11 +70,13 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.num_forwards = 0  # observable: tests assert the draft did not run when k = 0
+        self.last_forwards: list[tuple[int, int]] = []
 
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         active = [i for i, it in enumerate(items) if it.num_spec_tokens > 0]
+        self.last_forwards = []
         step = 0
         while active:
             entries = []
@@ -80,6 +89,7 @@ class DraftModelProposer:
                     entries.append(RunEntry(seq, [tokens[i][-1]], seq.num_tokens + step - 1, 1))
             logits = self.runner.run(entries)  # [len(active), vocab]
             self.num_forwards += 1
+            self.last_forwards.append((sum(len(e.token_ids) for e in entries), len(entries)))
             rows = [
                 RowContext(
                     items[i].seq.params,

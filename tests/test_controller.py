@@ -472,6 +472,22 @@ def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
     assert all(sum(ks) > 0 for ks in stuck[-50:])
 
 
+def test_a_new_batch_size_measures_its_plain_step_soon_and_then_rarely() -> None:
+    """A batch that grows to a size never run plain gets the few live plain steps the curve needs
+    within a few dozen decisions (a 64-token reply at 16 sequences is ~25 steps), and no more
+    than that for as long as they stay recent: the probes' cost is bounded, not their speed."""
+    rng = random.Random(4)
+    ctrl = controller(0.8)
+    pool = make_seqs(16)
+    simulate(ctrl, pool[:4], lambda s, t: 0.8, GPU_TARGET, GPU_DRAFT, 100, rng)
+    before = ctrl.num_cost_probes
+    hist = simulate(ctrl, pool, lambda s, t: 0.8, GPU_TARGET, GPU_DRAFT, 200, rng, first_step=100)
+    plain_steps = [i for i, ks in enumerate(hist) if not any(ks)]
+    assert ctrl.num_cost_probes - before == ctrl.cost.min_measured == len(plain_steps)
+    assert plain_steps[-1] < 3 * ctrl.params.cost_probe_every + 4
+    assert ctrl.cost.has_plain_sample(16, 16)
+
+
 def test_a_row_count_mispriced_by_calibration_is_measured_live() -> None:
     """Calibration's bare forward at 3 rows says 330 ms; live it takes 200 ms (a CPU kernel's
     blocking changes with the row count). k = 2 (3 rows) is predicted within 10% of the best k,
@@ -550,11 +566,13 @@ def test_finished_sequences_are_forgotten() -> None:
 
 
 class _ScriptedController:
-    """Returns a scripted k for every sequence, step after step; records what it returned."""
+    """Returns a scripted k for every sequence, step after step; records what it returned and
+    the observations it was fed."""
 
     def __init__(self, script: list[int]) -> None:
         self.script = script
         self.returned: list[list[int]] = []
+        self.observed: list[StepObservation] = []
 
     def choose_k(self, seqs):
         k = self.script[len(self.returned) % len(self.script)]
@@ -565,7 +583,7 @@ class _ScriptedController:
         pass
 
     def observe(self, obs) -> None:
-        pass
+        self.observed.append(obs)
 
     def stats(self) -> dict:
         return {}
@@ -603,6 +621,31 @@ def test_step_with_all_k_zero_runs_no_draft_forward(tiny_pair) -> None:
     # The counter does move when k > 0, so the assertion above can fail.
     assert sum(f > 0 for f in spec_steps) >= len(spec_steps) - 1
     assert engine.allocator.num_free_blocks == free
+
+
+def test_engine_reports_the_draft_forwards_it_ran(tiny_pair) -> None:
+    """The draft-cost fit learns from the real (rows, sequences) of every draft forward: the
+    first catches each drafting sequence up on the tokens its draft has not seen (a whole prompt
+    the first time), later ones carry one row per sequence still drafting."""
+    engine = make_engine(*tiny_pair)
+    engine.controller = _ScriptedController([0, 3, 2, 0, 1])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [4, 3, 2]]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    steps = _run_recording(engine)
+    observed = engine.controller.observed
+    assert len(observed) == len(steps)
+    for (forwards, _), obs in zip(steps, observed, strict=True):
+        assert len(obs.draft_forwards) == forwards  # one entry per forward that ran
+        if forwards:
+            assert [s for _, s in obs.draft_forwards[1:]] == [r for r, _ in obs.draft_forwards[1:]]
+            assert obs.draft_forwards[0][0] >= obs.draft_forwards[0][1]
+    first = next(obs for obs in observed if obs.draft_forwards)
+    # The first drafting step catches the draft up on both whole sequences (prompt + output).
+    assert first.draft_forwards[0][0] >= sum(map(len, prompts))
+    later = [obs.draft_forwards for obs in observed if obs.draft_forwards][1:]
+    assert later and all(f[0][0] <= 2 * (3 + 1) for f in later)  # 1 + accepted rows each
 
 
 def test_adaptive_controller_at_low_acceptance_never_drafts(tiny_pair) -> None:

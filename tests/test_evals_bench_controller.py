@@ -7,6 +7,7 @@ import json
 import pytest
 
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs
+from evals.controller_trace import summarize
 
 
 def _run(throughput: float, tpots: list[float], drafted: int, accepted: int) -> ArmResult:
@@ -66,3 +67,40 @@ def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
     md = (tmp_path / "sweep.md").read_text()
     assert "| 1 |" in md and "checks" in md
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) -> None:
+    trace = tmp_path / "deep" / "steps.jsonl"  # a missing directory is created
+    argv = ["--tiny", "--quick", "--concurrency", "1", "--workloads", "code", "--repeats", "1"]
+    assert main([*argv, "--out-dir", str(tmp_path), "--trace", str(trace)]) == 0
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {line["arm"] for line in lines} == set(ARMS)
+    for line in lines:
+        assert line["workload"] == "code" and line["concurrency"] == 1
+        assert line["predicted_target_s"] > 0 and line["target_s"] > 0
+        assert line["committed_tokens"] >= line["decodes"] >= 1
+        if line["arm"] == "plain":
+            assert line["ks"] == [0] and line["draft_forwards"] == [] and line["draft_s"] == 0
+        if line["arm"] == "fixed-k2" and line["ks"] == [2]:
+            assert len(line["draft_forwards"]) == 2 and line["predicted_draft_s"] > 0
+        # Only the adaptive arm's own decision carries a predicted step.
+        assert (line["predicted_step_s"] is not None) == (line["arm"] == "adaptive")
+    table = trace.with_suffix(".md").read_text()
+    assert "| code | 1 | fixed-k4 | 1 | 4 |" in table
+
+
+def test_trace_summary_groups_pure_decode_steps_by_shape() -> None:
+    def line(arm: str, ks: list[int], target: float, prefill: int = 0) -> dict:
+        return dict(
+            workload="open", concurrency=2, arm=arm, ks=ks, decodes=len(ks), prefill_rows=prefill,
+            target_s=target, draft_s=0.1, predicted_target_s=0.2, predicted_draft_s=0.1,
+            expected_tokens=3.0, committed_tokens=2,
+        )  # fmt: skip
+
+    lines = [line("a", [2, 1], t) for t in (0.1, 0.3, 0.2)] + [line("a", [1, 2], 9.0, 40)]
+    lines += [line("b", [0, 0], 0.2)] * 2  # under min_steps: left out
+    table = summarize(lines)
+    rows = [r for r in table.splitlines() if r.startswith("| open")]
+    assert rows == [
+        "| open | 2 | a | 2 | 1,2 | 3 | 200 (200) | 100 (100) | 3.00 / 2.00 | 6.67 (10.00) |"
+    ]

@@ -54,7 +54,10 @@ class AdaptiveParams:
     probe_max_interval: int = 256
     probe_k: int = 2
     probe_acceptance: float = 0.9  # a probe must be able to pay off at this acceptance
-    cost_probe_every: int = 32  # how often to check the fit has seen a plain step of this size
+    # How often to check the fit has seen live plain steps of this batch size lately. Cheap to
+    # check often: at most ``CostModel.min_measured`` probes per size per 256 steps run, however
+    # often it is checked, and a batch that just grew learns its plain price in ~3 x this.
+    cost_probe_every: int = 8
     shape_probe_every: int = 8  # how often to look for a near-best row count not measured live
     shape_probe_tolerance: float = 0.1  # ... predicted within this share of the decided step
     prefill_ema: float = 0.5  # weight of the newest step in the prefill-rows estimate
@@ -440,6 +443,11 @@ class AdaptiveController:
             "acceptance_by_request": by_request,
             **{f"cost_{k}": v for k, v in self.cost.to_dict().items()},
         }
+
+    @property
+    def predicted_step_time_s(self) -> float:
+        """Predicted seconds of the step the last ``choose_k`` decided (probes included)."""
+        return self._last.step_time
 
     def summary(self) -> str:
         s = self.stats()

@@ -1,0 +1,131 @@
+"""Per-step trace of a speculation run: what the adaptive controller's model predicted, what ran.
+
+``TracingController`` wraps any controller (plain, fixed k or adaptive) and, for every engine step
+that had decode-ready sequences, records the k's that ran, the step's measured target and draft
+seconds, the cost model's prediction for that very shape (made before the model sees the step),
+and expected vs committed tokens under the acceptance estimates. Every arm is priced by the same
+adaptive model, so a trace answers "was the decision wrong, or the prediction, or the machine":
+
+- predicted vs measured time per shape shows where the cost model is off (a CPU row count whose
+  kernels are slower than the fit says, a draft shape that costs more than its forwards sum to);
+- expected vs committed tokens shows whether acceptance estimates run high where they select;
+- the same shape measured in two arms at different times shows how much the machine drifted.
+
+``summarize`` groups pure decode steps by (arm, decodes, sorted k's) into a markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import TextIO
+
+from engine.sequence import Sequence
+from specdec.controller.acceptance import expected_tokens_table
+from specdec.controller.adaptive import AdaptiveController
+from specdec.controller_base import SpeculationController, StepObservation
+
+
+class TracingController:
+    """Implements ``SpeculationController`` by delegation; writes one JSON line per decode step.
+
+    Args:
+        inner: the controller that decides.
+        model: the adaptive controller whose cost model and acceptance estimates price each step
+            (may be ``inner`` itself).
+        sink: where the JSON lines go.
+        tags: fields added to every line (arm, workload, concurrency).
+    """
+
+    def __init__(
+        self,
+        inner: SpeculationController,
+        model: AdaptiveController,
+        sink: TextIO,
+        tags: dict[str, object],
+    ) -> None:
+        self.inner = inner
+        self.model = model
+        self.sink = sink
+        self.tags = tags
+        self._expected: dict[int, float] = {}
+        self._ks: list[int] = []
+        self._predicted_step: float | None = None
+
+    def expect_prefill(self, rows: int, seqs: int) -> None:
+        self.inner.expect_prefill(rows, seqs)
+
+    def choose_k(self, seqs: list[Sequence]) -> list[int]:
+        ks = self.inner.choose_k(seqs)
+        prior = self.model.acceptance.prior()
+        self._expected = {
+            s.seq_id: expected_tokens_table(self.model.acceptance.estimate(s.seq_id, prior))[k]
+            for s, k in zip(seqs, ks, strict=True)
+        }
+        self._ks = list(ks)
+        own = self.inner is self.model
+        self._predicted_step = self.model.predicted_step_time_s if own else None
+        return ks
+
+    def observe(self, obs: StepObservation) -> None:
+        if self._expected:
+            decodes = [o for o in obs.outcomes if o.seq.seq_id in self._expected]
+            cost = self.model.cost
+            line = {
+                **self.tags,
+                "ks": self._ks,
+                "rows": obs.num_target_tokens,
+                "seqs": obs.num_seqs,
+                "decodes": len(self._expected),
+                "prefill_rows": obs.num_target_tokens - sum(1 + o.num_drafted for o in decodes),
+                "target_s": max(obs.step_time - obs.draft_time, 0.0),
+                "draft_s": obs.draft_time,
+                "predicted_target_s": cost.target_time(obs.num_target_tokens, obs.num_seqs),
+                "predicted_draft_s": cost.draft_time(obs.draft_forwards),
+                "predicted_step_s": self._predicted_step,
+                "draft_forwards": obs.draft_forwards,
+                "expected_tokens": sum(self._expected.values()),
+                "committed_tokens": sum(1 + o.num_accepted for o in decodes),
+            }
+            self.sink.write(json.dumps(line) + "\n")
+        self._expected = {}
+        self.inner.observe(obs)
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+def summarize(lines: Iterable[dict], min_steps: int = 3) -> str:
+    """Markdown table of pure decode steps (no prefill rows) by (arm, decodes, sorted k's):
+    medians of measured and predicted target/draft ms, mean expected and committed tokens, and
+    measured vs predicted tokens/s."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for line in lines:
+        if line["prefill_rows"] == 0:
+            key = (line.get("workload", ""), line.get("concurrency", 0), line.get("arm", ""))
+            groups[(*key, line["decodes"], tuple(sorted(line["ks"])))].append(line)
+    out = [
+        "| workload | c | arm | decodes | k's | steps | target ms (pred) | draft ms (pred) "
+        "| tokens exp / got | tok/s (pred) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, steps in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        if len(steps) < min_steps:
+            continue
+
+        def med(field: str, steps: list[dict] = steps) -> float:
+            return statistics.median(s[field] for s in steps)
+
+        t, pt = med("target_s"), med("predicted_target_s")
+        d, pd = med("draft_s"), med("predicted_draft_s")
+        exp = statistics.fmean(s["expected_tokens"] for s in steps)
+        got = statistics.fmean(s["committed_tokens"] for s in steps)
+        workload, c, arm, decodes, ks = key
+        out.append(
+            f"| {workload} | {c} | {arm} | {decodes} | {','.join(map(str, ks))} | {len(steps)} "
+            f"| {t * 1e3:.0f} ({pt * 1e3:.0f}) | {d * 1e3:.0f} ({pd * 1e3:.0f}) "
+            f"| {exp:.2f} / {got:.2f} | {got / max(t + d, 1e-9):.2f} ({exp / max(pt + pd, 1e-9):.2f}) |"
+        )
+    return "\n".join(out) + "\n"
