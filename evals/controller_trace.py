@@ -75,7 +75,8 @@ class TracingController:
             cost = self.model.cost
             line = {
                 **self.tags,
-                "ks": self._ks,
+                "ks": self._ks,  # decided (the scheduler may clip a k near max_tokens)
+                "drafted": [o.num_drafted for o in decodes],  # verified
                 "rows": obs.num_target_tokens,
                 "seqs": obs.num_seqs,
                 "decodes": len(self._expected),

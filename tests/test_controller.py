@@ -159,7 +159,7 @@ def test_decodes_beside_a_prefill_chunk_still_speculate_while_verify_rows_are_ch
     """A 40-row chunk keeps the step under the 64-row knee. What plain decodes add to that step is
     tiny, so a ratio of added time would call plain "6000 tokens/s" and never draft beside a
     prefill; priced at what the time commits in a decode-only step, drafting is clearly better."""
-    ctrl = controller(0.8)
+    ctrl = controller(0.8, cost_probe_every=10**9)  # no plain cost probe between the two
     seqs = make_seqs(4)
     alone = ctrl.choose_k(seqs)
     assert all(k > 0 for k in alone)
@@ -531,7 +531,8 @@ def test_a_row_count_mispriced_by_calibration_is_measured_live() -> None:
 
 
 def test_stats_and_debug_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    ctrl = controller(0.9, log_every=5)
+    # No plain cost probe: it would show this batch that plain pays here, and mean_k would be 0.
+    ctrl = controller(0.9, log_every=5, cost_probe_every=10**9)
     with caplog.at_level(logging.DEBUG, logger="specdec.controller.adaptive"):
         simulate(ctrl, make_seqs(3), lambda s, t: 0.6, GPU_TARGET, GPU_DRAFT, 10, random.Random(0))
     lines = [r.getMessage() for r in caplog.records if "mean_k=" in r.getMessage()]

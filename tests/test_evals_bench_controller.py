@@ -81,8 +81,10 @@ def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) 
         assert line["committed_tokens"] >= line["decodes"] >= 1
         if line["arm"] == "plain":
             assert line["ks"] == [0] and line["draft_forwards"] == [] and line["draft_s"] == 0
-        if line["arm"] == "fixed-k2" and line["ks"] == [2]:
-            assert len(line["draft_forwards"]) == 2 and line["predicted_draft_s"] > 0
+        # One draft forward per drafted position, as the engine reported them.
+        assert len(line["draft_forwards"]) == max(line["drafted"])
+        if line["draft_forwards"]:
+            assert line["predicted_draft_s"] > 0 and line["draft_s"] > 0
         # Only the adaptive arm's own decision carries a predicted step.
         assert (line["predicted_step_s"] is not None) == (line["arm"] == "adaptive")
     table = trace.with_suffix(".md").read_text()
