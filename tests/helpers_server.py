@@ -158,13 +158,13 @@ class ServerProcess:
             self._log.close()
 
 
-def start_servers(*servers: ServerProcess) -> None:
+def start_servers(*servers: ServerProcess, timeout: float = 180.0) -> None:
     """Launch all, then wait for all: the processes load in parallel."""
     for s in servers:
         s.launch()
     try:
         for s in servers:
-            s.wait_ready()
+            s.wait_ready(timeout)
     except Exception:
         for s in servers:
             s.stop()

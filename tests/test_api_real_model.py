@@ -23,7 +23,8 @@ def server(tmp_path_factory):
     engine_args += ["--speculative-mode", "on", "--no-controller-warmup"]
     log = tmp_path_factory.mktemp("api_real") / "server.log"
     srv = ServerProcess(TARGET, DRAFT, [], log, engine_args=engine_args)
-    start_servers(srv)
+    # Loading 8 GB of fp32 weights takes ~1.5 min alone on two cores, longer beside other tests.
+    start_servers(srv, timeout=420.0)
     yield srv
     srv.stop()
 
