@@ -88,6 +88,45 @@ def test_speculates_only_when_clearly_better_than_plain() -> None:
     assert controller(0.6, target, draft).choose_k(make_seqs(1))[0] > 0
 
 
+def test_a_batch_already_speculating_keeps_on_within_the_hysteresis_band() -> None:
+    """k = 1 predicted 5% faster than plain: not enough to start (plain_margin 8%), enough to go
+    on (plain_keep_margin 2%), so a gain hovering near one bar does not switch speculation on
+    and off every few steps. A decision made beside a prefill chunk does not count as being on."""
+    target = TargetCost(base=0.010, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
+    seqs = make_seqs(1)
+    assert controller(0.365, target, draft).choose_k(seqs) == [0]
+
+    def after(first: float, prefill: bool, **params: float) -> list[int]:
+        ctrl = controller(first, target, draft, cost_probe_every=10**9, **params)
+        if prefill:
+            ctrl.expect_prefill(40, 1)
+        assert ctrl.choose_k(seqs)[0] > 0
+        ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.365)  # the gain falls to 5%
+        return ctrl.choose_k(seqs)
+
+    assert after(0.9, prefill=False) == [1]
+    assert after(0.9, prefill=False, plain_keep_margin=0.08) == [0]  # no band: off
+    assert after(0.9, prefill=True) == [0]
+
+
+def test_a_long_draft_catch_up_must_pay_off_within_a_few_steps() -> None:
+    """Verify rows are free and a draft row costs 5 ms against a 300 ms step (CPU-like): at
+    acceptance 0.5 drafting one token is 34% faster than plain once the draft is caught up. A
+    sequence whose draft has not read its 200-token prompt would pay a second of catch-up for a
+    reply that may be cut short by the next decision: spread over eight steps, that does not pay.
+    """
+    target = TargetCost(base=0.3, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    draft = DraftCost(per_forward=0.03, per_row=0.005, per_seq=0.0)
+    caught_up = make_seqs(1, prompt_len=201)
+    assert controller(0.5, target, draft).choose_k(caught_up)[0] > 0
+    unread = make_seqs(1, prompt_len=201)
+    unread[0].num_draft_computed_tokens = 0
+    assert controller(0.5, target, draft).choose_k(unread) == [0]
+    # At a high acceptance the same catch-up is worth paying.
+    assert controller(0.9, target, draft).choose_k(unread)[0] > 0
+
+
 def test_low_acceptance_gives_k0_high_gives_k_positive() -> None:
     # Draft forward = 30% of a target step: at a = 0.2 a draft token costs more than it yields.
     draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
@@ -401,6 +440,29 @@ def test_a_measured_point_is_shifted_to_the_batch_it_prices() -> None:
     assert model.target_time(32, 16) == pytest.approx(true(32, 16), rel=0.05)
     assert model.target_time(16, 16) == pytest.approx(true(16, 16), rel=0.05)
     assert model.target_time(16, 8) == pytest.approx(true(16, 8), rel=0.05)
+
+
+def test_an_exact_shape_is_priced_at_its_own_steps() -> None:
+    """16 rows are 16 plain decodes or 8 sequences verifying a draft each; on a CPU the second can
+    cost 20% more (here 0.6 s against 0.5 s) although rows and sequences explain the rest of the
+    curve. A batch that speculates measures the verify shape every step and its plain shape only
+    in the odd cost probe: the per-row point is the verify steps', and priced plain decode 20%
+    too dear. The plain shape's own recent steps price it."""
+
+    def true(n: int, s: int) -> float:
+        return 0.3 + 0.0125 * n + (0.1 if n == 2 * s else 0.0)
+
+    rng = np.random.default_rng(4)
+    model = CostModel()
+    shapes = [(8, 8), (16, 8), (24, 8), (32, 16), (48, 16)]
+    for i in range(300):
+        n, s = shapes[i % len(shapes)]
+        model.observe_target(n, s, true(n, s) * (1 + 0.02 * rng.standard_normal()))
+    for _ in range(3):  # cost probes
+        model.observe_target(16, 16, true(16, 16) * (1 + 0.02 * rng.standard_normal()))
+    assert model.target_time(16, 16) == pytest.approx(true(16, 16), rel=0.03)
+    assert model.target_time(16, 8) == pytest.approx(true(16, 8), rel=0.03)
+    assert model.target_time(32, 16) == pytest.approx(true(32, 16), rel=0.03)
 
 
 def test_one_stalled_step_cannot_price_a_row_count_out_for_good() -> None:

@@ -9,8 +9,12 @@ Each step (``choose_k``):
 3. hysteresis: the new assignment replaces the held one only if it beats it by ``margin`` times
    the share of the batch whose k changes, so one sequence's noisy estimate cannot flip the batch
    and the whole batch cannot flip on a change worth less than ``margin``; and speculation at
-   all must be predicted to beat plain decode by ``plain_margin`` (plain is the safe side of
-   every error the prediction makes);
+   all must be predicted to beat plain decode by ``plain_margin`` to start (plain is the safe
+   side of every error the prediction makes) and by ``plain_keep_margin`` to go on, a band wide
+   enough that a gain predicted near the bar does not switch the batch on and off with the noise
+   of each step (every switch back on pays the draft's catch-up on the tokens it skipped). A
+   decision made beside a prefill chunk, priced differently, does not move the batch into the
+   band: only a decode-only step's decision does;
 4. a sequence held at k = 0 has no new acceptance data, so now and then (after ``probe_every``
    steps, doubling after each poor probe, back to ``probe_every`` after a promising one) it
    drafts ``probe_k`` tokens for one step - but only when speculation could pay for it at a high
@@ -43,13 +47,19 @@ from specdec.controller_base import StepObservation
 logger = logging.getLogger(__name__)
 
 _FORGET_AFTER = 1024  # decisions without seeing a sequence before its state is dropped
-PROBE_PAYBACK_STEPS = 8  # steps of speculation over which a probe's draft catch-up must pay off
+# Steps of speculation over which the draft's catch-up on unseen tokens (a whole prompt, or all
+# that was decoded plainly since it last drafted) must pay off. Charged over the rest of a long
+# reply it looks cheap, but decisions change long before that (a batch grows, acceptance drops, a
+# cost probe lands) and the catch-up is paid in full at once; a short horizon keeps sequences that
+# joined a batch where speculation barely pays from paying a prompt's worth of draft rows for it.
+CATCHUP_PAYBACK_STEPS = 8
 
 
 @dataclass(frozen=True)
 class AdaptiveParams:
     margin: float = 0.03  # relative goodput gain needed to change the held decision
-    plain_margin: float = 0.08  # relative gain over all-plain needed to speculate at all
+    plain_margin: float = 0.08  # relative gain over all-plain needed to start speculating
+    plain_keep_margin: float = 0.02  # ... and to go on speculating (hysteresis band)
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
     probe_k: int = 2
@@ -111,6 +121,7 @@ class AdaptiveController:
         self._num_decisions = 0
         self._num_observed = 0
         self._last = _Decision()
+        self._speculating = False  # the last decode-only decision drafted for some 'auto' sequence
         self._ready: dict[int, int] = {}  # seq_id -> raw draft catch-up rows, this step
         self._ready_fresh = False
         self.extra_tokens = 0.0  # estimated non-decode (prefill) rows per step
@@ -157,6 +168,10 @@ class AdaptiveController:
         changed = sum(a != b for a, b in zip(best, held, strict=True)) / max(1, len(seqs))
         chosen = best if v_best > v_held * (1.0 + self.params.margin * changed) else held
         chosen = self._plain_unless_clearly_better(batch, chosen)
+        if extra_tokens < 1:  # decode-only: its decision sets which side of the band we are on
+            self._speculating = any(
+                k > 0 and t.fixed_k is None for k, t in zip(chosen, terms, strict=True)
+            )
         batch.assign(chosen)
         out = list(chosen)
         probes: list[int] = []
@@ -175,7 +190,7 @@ class AdaptiveController:
 
     def _plain_unless_clearly_better(self, batch: BatchGoodput, chosen: list[int]) -> list[int]:
         """All 'auto' sequences plain unless speculating is predicted to beat that by
-        ``plain_margin``.
+        ``plain_margin`` (``plain_keep_margin`` while the batch is speculating already).
 
         Plain decode is the safe side of every error the prediction makes: sequences picked for
         a high acceptance estimate draft worse afterwards (regression to the mean), a sequence
@@ -184,11 +199,13 @@ class AdaptiveController:
         than those errors is not worth taking.
         """
         plain = batch.clamp([0] * len(chosen))
-        if chosen == plain or self.params.plain_margin <= 0:
+        p = self.params
+        margin = min(p.plain_margin, p.plain_keep_margin) if self._speculating else p.plain_margin
+        if chosen == plain or margin <= 0:
             return chosen
         v_chosen = batch.assign(chosen)
         v_plain = batch.assign(plain)
-        return chosen if v_chosen > v_plain * (1.0 + self.params.plain_margin) else plain
+        return chosen if v_chosen > v_plain * (1.0 + margin) else plain
 
     def _terms(self, seq: Sequence, prior: list[float]) -> SeqTerms:
         room = self._max_useful_k(seq)
@@ -198,12 +215,21 @@ class AdaptiveController:
             fixed = 0
         elif seq.spec_mode == "on":
             fixed = room
+        return SeqTerms(gains, self._catchup_rows(seq), fixed)
+
+    def _catchup_rows(self, seq: Sequence) -> float:
+        """Draft rows charged to this step for the sequence's first draft forward.
+
+        The draft must read a whole prompt (or everything since it last drafted) once; that buys
+        speculation for the steps after, so only a share is charged: the rows beyond the usual
+        one or two spread over ``CATCHUP_PAYBACK_STEPS`` steps, fewer near the end of the reply
+        (about two tokens a step).
+        """
         raw = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
-        # The draft must read a whole prompt (or everything since it last drafted) once; charge
-        # that to this step only in proportion, as it buys speculation for the rest of the reply.
-        remaining = self._remaining_tokens(seq)
-        catchup = float(raw) if raw <= 2 else 2.0 + (raw - 2) * min(1.0, 2.0 / max(1, remaining))
-        return SeqTerms(gains, catchup, fixed)
+        if raw <= 2:
+            return float(raw)
+        horizon = min(CATCHUP_PAYBACK_STEPS, max(1.0, self._remaining_tokens(seq) / 2))
+        return 2.0 + (raw - 2) / horizon
 
     def _remaining_tokens(self, seq: Sequence) -> int:
         if seq.params.max_tokens is None:
@@ -258,10 +284,7 @@ class AdaptiveController:
             est = self.acceptance.estimate(seqs[i].seq_id, prior)
             optimistic = [max(a, p.probe_acceptance) for a in est[: terms[i].max_k]]
             gains = expected_tokens_table(optimistic)
-            # A probe pays the draft's catch-up now; only a short run of good steps may repay it.
-            raw = self._ready[seqs[i].seq_id]
-            catchup = float(raw) if raw <= 2 else 2.0 + (raw - 2) / PROBE_PAYBACK_STEPS
-            what_if[i] = SeqTerms(gains, catchup, None)
+            what_if[i] = SeqTerms(gains, terms[i].catchup_rows, None)
         trial = BatchGoodput(
             what_if,
             self.cost,

@@ -37,6 +37,14 @@ row count out for good) and, where that point is off the parametric fit by more 
 and beyond the largest by the parametric fit's increase. A point is shifted by the fit's per-sequence
 slope when asked about another sequence count than it was measured at.
 The parametric fit alone answers only where no step of any size was measured yet.
+
+Exact shapes first: a (rows, sequences) shape with ``min_measured`` live steps, the newest within
+``stale_after`` steps, is priced at the median of its own recent steps where the curve is off that
+by more than ``curve_tolerance``.
+The per-row point mixes shapes (16 rows are 16 plain decodes or 8 sequences verifying one draft
+each; on a two-core CPU the first measured 540 ms and the second 600 ms, and the shift by the
+fit's per-sequence slope priced the plain step at 650 ms), and a decision between exactly those
+two shapes is the one the controller makes every step.
 """
 
 from __future__ import annotations
@@ -95,8 +103,12 @@ class TargetCurve:
     """
 
     def __init__(
-        self, points: Sequence[tuple[float, float | None, float]], parametric: TargetCost
+        self,
+        points: Sequence[tuple[float, float | None, float]],
+        parametric: TargetCost,
+        shapes: dict[tuple[int, int], float] | None = None,
     ) -> None:
+        self.shapes = shapes or {}  # (rows, sequences) -> seconds measured at exactly that shape
         self.rows = [float(n) for n, _, _ in points]
         self.seconds = [t for _, t, _ in points]
         self.seqs = [float(s) for _, _, s in points]
@@ -109,6 +121,9 @@ class TargetCurve:
         return t + self.parametric.per_seq * (num_seqs - self.seqs[i])
 
     def __call__(self, num_tokens: float, num_seqs: float) -> float:
+        exact = self.shapes.get((round(num_tokens), round(num_seqs)))
+        if exact is not None and num_tokens == round(num_tokens) and num_seqs == round(num_seqs):
+            return exact
         rows, fit = self.rows, self.parametric
         if not rows:
             return fit(num_tokens, num_seqs)
@@ -280,6 +295,9 @@ class CostModel:
         # row count -> newest live steps with that many rows: (seconds, sequences, observation
         # number); dict order is least recently measured first, at most ``max_measured_sizes``
         self._measured: dict[int, deque[tuple[float, int, int]]] = {}
+        # (rows, sequences) -> newest live steps of exactly that shape: (seconds, observation
+        # number), bounded and ordered the same way
+        self._measured_shapes: dict[tuple[int, int], deque[tuple[float, int]]] = {}
         self._curve: TargetCurve | None = None  # built on demand, dropped when data changes
         self.num_observations = 0
         self.num_fits = 0
@@ -319,8 +337,22 @@ class CostModel:
                 # step; a point holds a few): keep the point only where the fit is clearly off.
                 keep = abs(t - fit) > self.curve_tolerance * fit
                 points.append((n, t if keep else None, seqs))
-            self._curve = TargetCurve(points, self.target)
+            curve = TargetCurve(points, self.target)
+            self._curve = TargetCurve(points, self.target, self._shape_medians(curve))
         return self._curve
+
+    def _shape_medians(self, curve: TargetCurve) -> dict[tuple[int, int], float]:
+        """Median seconds of each (rows, sequences) shape with enough recent live steps, where
+        the curve is off it by more than ``curve_tolerance`` (within that, the curve pools more
+        steps and jitters less: two shapes' medians a few percent apart would flip decisions)."""
+        out = {}
+        for (n, s), recent in self._measured_shapes.items():
+            fresh = self.num_observations - recent[-1][1] <= self.stale_after
+            if len(recent) >= self.min_measured and fresh:
+                t = statistics.median(t for t, _ in recent)
+                if abs(t - curve(n, s)) > self.curve_tolerance * curve(n, s):
+                    out[(n, s)] = t
+        return out
 
     def draft_time(self, forwards: Sequence[tuple[int, int]]) -> float:
         """Seconds for these draft forwards, each (rows, seqs); no forwards cost nothing."""
@@ -342,6 +374,12 @@ class CostModel:
         if len(self._measured) > self.max_measured_sizes:
             # A long-running server sees many prefill sizes once; forget the least recent.
             del self._measured[next(iter(self._measured))]
+        shape = (num_tokens, num_seqs)
+        same = self._measured_shapes.pop(shape, None) or deque(maxlen=self.measured_window)
+        same.append((seconds, self.num_observations))
+        self._measured_shapes[shape] = same
+        if len(self._measured_shapes) > self.max_measured_sizes:
+            del self._measured_shapes[next(iter(self._measured_shapes))]
         self._curve = None
         self._tick()
 
