@@ -113,14 +113,14 @@ def test_a_batch_already_speculating_keeps_on_within_the_hysteresis_band() -> No
 def test_a_long_draft_catch_up_must_pay_off_within_a_few_steps() -> None:
     """Verify rows are free and a draft row costs 5 ms against a 300 ms step (CPU-like): at
     acceptance 0.5 drafting one token is 34% faster than plain once the draft is caught up. A
-    sequence whose draft has not read its 200-token prompt would pay a second of catch-up for a
-    reply that may be cut short by the next decision: spread over eight steps, that does not pay.
+    sequence whose draft has not read its 400-token prompt would pay two seconds of catch-up for a
+    reply that may be cut short by the next decision: spread over 16 steps, that does not pay.
     """
     target = TargetCost(base=0.3, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
     draft = DraftCost(per_forward=0.03, per_row=0.005, per_seq=0.0)
-    caught_up = make_seqs(1, prompt_len=201)
+    caught_up = make_seqs(1, prompt_len=401)
     assert controller(0.5, target, draft).choose_k(caught_up)[0] > 0
-    unread = make_seqs(1, prompt_len=201)
+    unread = make_seqs(1, prompt_len=401)
     unread[0].num_draft_computed_tokens = 0
     assert controller(0.5, target, draft).choose_k(unread) == [0]
     # At a high acceptance the same catch-up is worth paying.
@@ -548,6 +548,22 @@ def test_a_new_batch_size_measures_its_plain_step_soon_and_then_rarely() -> None
     assert ctrl.num_cost_probes - before == ctrl.cost.min_measured == len(plain_steps)
     assert plain_steps[-1] < 3 * ctrl.params.cost_probe_every + 4
     assert ctrl.cost.has_plain_sample(16, 16)
+
+
+def test_a_far_better_speculating_batch_is_not_cost_probed_again() -> None:
+    """One sequence whose drafts pay twice over: after the plain step's first live measurements,
+    a plain step every so often would give up half a step's tokens and could not change the
+    decision. With the cap lifted it re-measures whenever those steps stop being recent."""
+    target = TargetCost(base=0.3, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    draft = DraftCost(per_forward=0.03, per_row=0.001, per_seq=0.0)
+
+    def cost_probes(cap: float) -> int:
+        ctrl = controller(0.9, target, draft, cost_probe_max_gain=cap)
+        simulate(ctrl, make_seqs(1), lambda s, t: 0.9, target, draft, 500, random.Random(5))
+        return ctrl.num_cost_probes
+
+    assert cost_probes(AdaptiveParams().cost_probe_max_gain) == CostModel().min_measured
+    assert cost_probes(float("inf")) >= 2 * CostModel().min_measured
 
 
 def test_a_row_count_mispriced_by_calibration_is_measured_live() -> None:

@@ -24,7 +24,8 @@ Each step (``choose_k``):
 5. a batch that keeps speculating runs one step plain now and then when no live plain step of
    that size was measured lately (calibration's bare forwards do not count: a live step at many
    sequences costs more than a bare forward, and by a share that grows with the batch), so a cost
-   curve that flatters verification is corrected;
+   curve that flatters verification is corrected; once such steps were measured, a batch predicted
+   ``cost_probe_max_gain`` faster speculating is not probed again (no plausible error flips it);
 6. likewise the drafting sequences run one step at another k now and then when that step's row
    count is predicted within ``shape_probe_tolerance`` of the decision but has few live steps
    behind it, so a row count mispriced by calibration is measured instead of avoided for good.
@@ -49,10 +50,10 @@ logger = logging.getLogger(__name__)
 _FORGET_AFTER = 1024  # decisions without seeing a sequence before its state is dropped
 # Steps of speculation over which the draft's catch-up on unseen tokens (a whole prompt, or all
 # that was decoded plainly since it last drafted) must pay off. Charged over the rest of a long
-# reply it looks cheap, but decisions change long before that (a batch grows, acceptance drops, a
+# reply (two tokens a step) it looks cheap, but decisions change long before that (a batch grows, acceptance drops, a
 # cost probe lands) and the catch-up is paid in full at once; a short horizon keeps sequences that
 # joined a batch where speculation barely pays from paying a prompt's worth of draft rows for it.
-CATCHUP_PAYBACK_STEPS = 8
+CATCHUP_PAYBACK_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class AdaptiveParams:
     # check often: at most ``CostModel.min_measured`` probes per size per 256 steps run, however
     # often it is checked, and a batch that just grew learns its plain price in ~3 x this.
     cost_probe_every: int = 8
+    # A batch predicted this much faster speculating than plain is not cost-probed again once
+    # its plain step has live measurements: no plausible error in that price flips the decision,
+    # and at one sequence every plain step gives up half a step's tokens.
+    cost_probe_max_gain: float = 0.3
     shape_probe_every: int = 8  # how often to look for a near-best row count not measured live
     shape_probe_tolerance: float = 0.1  # ... predicted within this share of the decided step
     prefill_ema: float = 0.5  # weight of the newest step in the prefill-rows estimate
@@ -318,10 +323,18 @@ class AdaptiveController:
         """
         auto = [i for i, t in enumerate(terms) if t.fixed_k is None and out[i] > 0]
         n_plain = len(seqs) + batch.extra_tokens
-        if not auto or self.cost.has_plain_sample(0.8 * n_plain, 1.25 * n_plain):
+        lo, hi = 0.8 * n_plain, 1.25 * n_plain
+        if not auto or self.cost.has_plain_sample(lo, hi):
             return
+        plain = list(out)
         for i in auto:
-            out[i] = 0
+            plain[i] = 0
+        v_out, v_plain = batch.assign(out), batch.assign(plain)
+        batch.assign(out)
+        measured_before = self.cost.has_plain_sample(lo, hi, recent=self.cost.window)
+        if measured_before and v_out > v_plain * (1.0 + self.params.cost_probe_max_gain):
+            return
+        out[:] = plain
         self.num_cost_probes += 1
 
     def _shape_probe(self, terms: list[SeqTerms], batch: BatchGoodput, out: list[int]) -> None:
