@@ -25,6 +25,7 @@ from specdec.controller import (
     calibrate,
     expected_tokens,
 )
+from specdec.controller import adaptive as adaptive_module
 from specdec.controller_base import SeqOutcome, StepObservation
 
 K_MAX = 4
@@ -274,6 +275,32 @@ def test_probing_is_skipped_when_verification_cannot_pay() -> None:
     hist = simulate(ctrl, make_seqs(80), lambda s, t: 0.05, GPU_TARGET, GPU_DRAFT, 300, rng)
     assert ctrl.num_probes == 0 and ctrl.num_cost_probes == 0
     assert all(k == 0 for ks in hist for k in ks)
+
+
+def test_a_probe_must_repay_its_draft_catch_up_within_a_few_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence at k = 0 whose draft has not read its last ~130 tokens (50 ms a draft row): a
+    probe would read them all for one step of acceptance data, and most probes end back at
+    k = 0. Spread over 8 steps the catch-up rules the probe out; spread over 16, as a decision's
+    is, it would probe. A sequence whose draft is nearly caught up is probed."""
+    target = TargetCost(base=0.3, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    draft = DraftCost(per_forward=0.03, per_row=0.05, per_seq=0.0)
+
+    def probes(unread: bool) -> int:
+        ctrl = controller(0.05, target, draft, cost_probe_every=10**9)
+        seqs = make_seqs(1, prompt_len=101)
+        if unread:
+            seqs[0].num_draft_computed_tokens = 0
+        simulate(ctrl, seqs, lambda s, t: 0.05, target, draft, 40, random.Random(7))
+        return ctrl.num_probes
+
+    assert probes(unread=True) == 0
+    assert probes(unread=False) > 0
+    monkeypatch.setattr(
+        adaptive_module, "PROBE_PAYBACK_STEPS", adaptive_module.CATCHUP_PAYBACK_STEPS
+    )
+    assert probes(unread=True) > 0
 
 
 def test_no_probe_for_a_gain_the_decision_would_not_take() -> None:

@@ -54,6 +54,10 @@ _FORGET_AFTER = 1024  # decisions without seeing a sequence before its state is 
 # cost probe lands) and the catch-up is paid in full at once; a short horizon keeps sequences that
 # joined a batch where speculation barely pays from paying a prompt's worth of draft rows for it.
 CATCHUP_PAYBACK_STEPS = 16
+# A probe drafts for one step and most probes end back at k = 0, so the catch-up it triggers must
+# pay off sooner (open prompts at 8 sequences: a probe of all eight read 468 draft rows, 2.2 s, six
+# plain steps' worth, to learn one step of acceptance).
+PROBE_PAYBACK_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -220,20 +224,20 @@ class AdaptiveController:
             fixed = 0
         elif seq.spec_mode == "on":
             fixed = room
-        return SeqTerms(gains, self._catchup_rows(seq), fixed)
+        return SeqTerms(gains, self._catchup_rows(seq, CATCHUP_PAYBACK_STEPS), fixed)
 
-    def _catchup_rows(self, seq: Sequence) -> float:
+    def _catchup_rows(self, seq: Sequence, payback_steps: int) -> float:
         """Draft rows charged to this step for the sequence's first draft forward.
 
         The draft must read a whole prompt (or everything since it last drafted) once; that buys
         speculation for the steps after, so only a share is charged: the rows beyond the usual
-        one or two spread over ``CATCHUP_PAYBACK_STEPS`` steps, fewer near the end of the reply
-        (about two tokens a step).
+        one or two spread over ``payback_steps`` steps, fewer near the end of the reply (about
+        two tokens a step).
         """
         raw = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
         if raw <= 2:
             return float(raw)
-        horizon = min(CATCHUP_PAYBACK_STEPS, max(1.0, self._remaining_tokens(seq) / 2))
+        horizon = min(payback_steps, max(1.0, self._remaining_tokens(seq) / 2))
         return 2.0 + (raw - 2) / horizon
 
     def _remaining_tokens(self, seq: Sequence) -> int:
@@ -289,7 +293,8 @@ class AdaptiveController:
             est = self.acceptance.estimate(seqs[i].seq_id, prior)
             optimistic = [max(a, p.probe_acceptance) for a in est[: terms[i].max_k]]
             gains = expected_tokens_table(optimistic)
-            what_if[i] = SeqTerms(gains, terms[i].catchup_rows, None)
+            catchup = self._catchup_rows(seqs[i], PROBE_PAYBACK_STEPS)
+            what_if[i] = SeqTerms(gains, catchup, None)
         trial = BatchGoodput(
             what_if,
             self.cost,
