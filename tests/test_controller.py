@@ -48,6 +48,26 @@ def controller(
     )
 
 
+def flat_target(base: float) -> TargetCost:
+    """A step that costs ``base`` seconds whatever its rows: verification is free."""
+    return TargetCost(base=base, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+
+
+def run_one_seq(
+    ctrl: AdaptiveController,
+    acceptance: float,
+    target: TargetCost,
+    draft: DraftCost,
+    steps: int,
+    seed: int,
+    seqs: list | None = None,
+) -> AdaptiveController:
+    """Run one sequence (``make_seqs(1)`` unless given) at a fixed acceptance; returns ``ctrl``."""
+    seqs = seqs or make_seqs(1)
+    simulate(ctrl, seqs, lambda s, t: acceptance, target, draft, steps, random.Random(seed))
+    return ctrl
+
+
 def test_expected_tokens_matches_closed_form() -> None:
     for a in (0.0, 0.3, 0.9):
         for k in range(5):
@@ -82,7 +102,7 @@ def test_single_sequence_k_maximises_goodput(acceptance: float, draft_ratio: flo
 def test_speculates_only_when_clearly_better_than_plain() -> None:
     """k = 1 would be 4% faster than plain here: within the prediction's errors, so plain. Turned
     off, the margin no longer holds it back; at a higher acceptance (23% faster) it speculates."""
-    target = TargetCost(base=0.010, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    target = flat_target(0.010)
     draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
     assert controller(0.35, target, draft).choose_k(make_seqs(1)) == [0]
     assert controller(0.35, target, draft, plain_margin=0.0).choose_k(make_seqs(1)) == [1]
@@ -93,7 +113,7 @@ def test_a_batch_already_speculating_keeps_on_within_the_hysteresis_band() -> No
     """k = 1 predicted 5% faster than plain: not enough to start (plain_margin 8%), enough to go
     on (plain_keep_margin 2%), so a gain hovering near one bar does not switch speculation on
     and off every few steps. A decision made beside a prefill chunk does not count as being on."""
-    target = TargetCost(base=0.010, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    target = flat_target(0.010)
     draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
     seqs = make_seqs(1)
     assert controller(0.365, target, draft).choose_k(seqs) == [0]
@@ -117,7 +137,7 @@ def test_a_long_draft_catch_up_must_pay_off_within_a_few_steps() -> None:
     sequence whose draft has not read its 400-token prompt would pay two seconds of catch-up for a
     reply that may be cut short by the next decision: spread over 16 steps, that does not pay.
     """
-    target = TargetCost(base=0.3, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    target = flat_target(0.3)
     draft = DraftCost(per_forward=0.03, per_row=0.005, per_seq=0.0)
     caught_up = make_seqs(1, prompt_len=401)
     assert controller(0.5, target, draft).choose_k(caught_up)[0] > 0
@@ -284,7 +304,7 @@ def test_a_probe_must_repay_its_draft_catch_up_within_a_few_steps(
     probe would read them all for one step of acceptance data, and most probes end back at
     k = 0. Spread over 8 steps the catch-up rules the probe out; spread over 16, as a decision's
     is, it would probe. A sequence whose draft is nearly caught up is probed."""
-    target = TargetCost(base=0.3, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    target = flat_target(0.3)
     draft = DraftCost(per_forward=0.03, per_row=0.05, per_seq=0.0)
 
     def probes(unread: bool) -> int:
@@ -292,8 +312,7 @@ def test_a_probe_must_repay_its_draft_catch_up_within_a_few_steps(
         seqs = make_seqs(1, prompt_len=101)
         if unread:
             seqs[0].num_draft_computed_tokens = 0
-        simulate(ctrl, seqs, lambda s, t: 0.05, target, draft, 40, random.Random(7))
-        return ctrl.num_probes
+        return run_one_seq(ctrl, 0.05, target, draft, 40, seed=7, seqs=seqs).num_probes
 
     assert probes(unread=True) == 0
     assert probes(unread=False) > 0
@@ -307,13 +326,12 @@ def test_no_probe_for_a_gain_the_decision_would_not_take() -> None:
     """A draft forward 85% of a target step: even at the probe's optimistic acceptance (0.9)
     speculating would be under 3% faster than plain, below the margin the decision asks, so a
     probe (whose draft catch-up is paid at once) would buy nothing. Without the margin it probes."""
-    target = TargetCost(base=0.010, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    target = flat_target(0.010)
     draft = DraftCost(per_forward=0.0085, per_row=0.0, per_seq=0.0)
 
     def probes(plain_margin: float) -> int:
         ctrl = controller(0.05, target, draft, plain_margin=plain_margin)
-        simulate(ctrl, make_seqs(1), lambda s, t: 0.05, target, draft, 200, random.Random(3))
-        return ctrl.num_probes
+        return run_one_seq(ctrl, 0.05, target, draft, 200, seed=3).num_probes
 
     assert probes(AdaptiveParams().plain_margin) == 0
     assert probes(0.0) > 0
@@ -581,13 +599,12 @@ def test_a_far_better_speculating_batch_is_not_cost_probed_again() -> None:
     """One sequence whose drafts pay twice over: after the plain step's first live measurements,
     a plain step every so often would give up half a step's tokens and could not change the
     decision. With the cap lifted it re-measures whenever those steps stop being recent."""
-    target = TargetCost(base=0.3, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0)
+    target = flat_target(0.3)
     draft = DraftCost(per_forward=0.03, per_row=0.001, per_seq=0.0)
 
     def cost_probes(cap: float) -> int:
         ctrl = controller(0.9, target, draft, cost_probe_max_gain=cap)
-        simulate(ctrl, make_seqs(1), lambda s, t: 0.9, target, draft, 500, random.Random(5))
-        return ctrl.num_cost_probes
+        return run_one_seq(ctrl, 0.9, target, draft, 500, seed=5).num_cost_probes
 
     assert cost_probes(AdaptiveParams().cost_probe_max_gain) == CostModel().min_measured
     assert cost_probes(float("inf")) >= 2 * CostModel().min_measured

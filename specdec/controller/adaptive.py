@@ -50,9 +50,10 @@ logger = logging.getLogger(__name__)
 _FORGET_AFTER = 1024  # decisions without seeing a sequence before its state is dropped
 # Steps of speculation over which the draft's catch-up on unseen tokens (a whole prompt, or all
 # that was decoded plainly since it last drafted) must pay off. Charged over the rest of a long
-# reply (two tokens a step) it looks cheap, but decisions change long before that (a batch grows, acceptance drops, a
-# cost probe lands) and the catch-up is paid in full at once; a short horizon keeps sequences that
-# joined a batch where speculation barely pays from paying a prompt's worth of draft rows for it.
+# reply (two tokens a step) it looks cheap, but decisions change long before that (a batch
+# grows, acceptance drops, a cost probe lands) and the catch-up is paid in full at once; a short
+# horizon keeps sequences that joined a batch where speculation barely pays from paying a
+# prompt's worth of draft rows for it.
 CATCHUP_PAYBACK_STEPS = 16
 # A probe drafts for one step and most probes end back at k = 0, so the catch-up it triggers must
 # pay off sooner (open prompts at 8 sequences: a probe of all eight read 468 draft rows, 2.2 s, six
@@ -334,11 +335,11 @@ class AdaptiveController:
         plain = list(out)
         for i in auto:
             plain[i] = 0
-        v_out, v_plain = batch.assign(out), batch.assign(plain)
-        batch.assign(out)
-        measured_before = self.cost.has_plain_sample(lo, hi, recent=self.cost.window)
-        if measured_before and v_out > v_plain * (1.0 + self.params.cost_probe_max_gain):
-            return
+        if self.cost.has_plain_sample(lo, hi, recent=self.cost.window):
+            v_out, v_plain = batch.assign(out), batch.assign(plain)
+            batch.assign(out)
+            if v_out > v_plain * (1.0 + self.params.cost_probe_max_gain):
+                return
         out[:] = plain
         self.num_cost_probes += 1
 

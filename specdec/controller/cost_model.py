@@ -349,8 +349,8 @@ class CostModel:
         for (n, s), recent in self._measured_shapes.items():
             fresh = self.num_observations - recent[-1][1] <= self.stale_after
             if len(recent) >= self.min_measured and fresh:
-                t = statistics.median(t for t, _ in recent)
-                if abs(t - curve(n, s)) > self.curve_tolerance * curve(n, s):
+                t, c = statistics.median(t for t, _ in recent), curve(n, s)
+                if abs(t - c) > self.curve_tolerance * c:
                     out[(n, s)] = t
         return out
 
