@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers_controller import make_seqs, simulate
+from helpers_controller import draft_forwards, make_seqs, simulate
 from tiny_models import make_engine, tiny_hf_model
 
 from engine.sampling_params import SamplingParams
@@ -40,6 +40,10 @@ def controller(
     draft: DraftCost = GPU_DRAFT,
     **params: float,
 ) -> AdaptiveController:
+    """A controller on known costs. ``plain_first`` is off unless asked for: these tests check
+    what a decision is worth on prices taken as given, and it would make every first few
+    decisions plain (it has its own tests)."""
+    params.setdefault("plain_first", False)
     return AdaptiveController(
         K_MAX,
         cost=CostModel(target, draft),
@@ -353,7 +357,7 @@ def test_a_cost_curve_that_flatters_verification_is_corrected_by_measurement() -
             K_MAX,
             cost=CostModel(flat, draft),
             acceptance=AcceptanceTracker(K_MAX, initial=0.8),
-            params=AdaptiveParams(cost_probe_every=cost_probe_every),
+            params=AdaptiveParams(cost_probe_every=cost_probe_every, plain_first=False),
         )
         seqs = make_seqs(16)
         hist = simulate(ctrl, seqs, lambda s, t: 0.8, true_target, draft, 200, random.Random(0))
@@ -564,7 +568,9 @@ def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
             cost=cost,
             acceptance=AcceptanceTracker(K_MAX, initial=0.8),
             # The margin over plain off: this is about what the cost probe measures, alone.
-            params=AdaptiveParams(cost_probe_every=cost_probe_every, plain_margin=0.0),
+            params=AdaptiveParams(
+                cost_probe_every=cost_probe_every, plain_margin=0.0, plain_first=False
+            ),
         )
         hist = simulate(ctrl, make_seqs(16), lambda s, t: 0.8, live, draft, 200, random.Random(0))
         return ctrl, hist
@@ -593,6 +599,37 @@ def test_a_new_batch_size_measures_its_plain_step_soon_and_then_rarely() -> None
     assert ctrl.num_cost_probes - before == ctrl.cost.min_measured == len(plain_steps)
     assert plain_steps[-1] < 3 * ctrl.params.cost_probe_every + 4
     assert ctrl.cost.has_plain_sample(16, 16)
+
+
+def test_a_batch_runs_plain_before_it_starts_speculating() -> None:
+    """Before a batch starts drafting it runs plain, with no draft forward, until the fit has a
+    few live plain steps of its size: calibration prices a plain step from bare forwards and
+    other sizes (the real pair at 8 sequences on CPU: predicted 400-430 ms, ran 280 ms), and a
+    start believed on that price pays every sequence's draft catch-up. A step beside a prefill
+    chunk is priced differently and does not wait."""
+    rng = random.Random(2)
+    ctrl = controller(0.8, plain_first=True)
+    seqs = make_seqs(4)
+    hist = simulate(ctrl, seqs, lambda s, t: 0.8, GPU_TARGET, GPU_DRAFT, 20, rng)
+    n = ctrl.cost.min_measured
+    assert all(draft_forwards(seqs, ks) == [] for ks in hist[:n])
+    assert all(all(k > 0 for k in ks) for ks in hist[n:])
+    assert ctrl.num_cost_probes == n
+    beside_prefill = controller(0.8, plain_first=True)
+    beside_prefill.expect_prefill(40, 1)
+    assert all(k > 0 for k in beside_prefill.choose_k(make_seqs(4)))
+
+
+def test_plain_first_runs_once_per_start_not_while_speculating() -> None:
+    """One sequence whose drafts pay twice over: its first few steps are plain (no live plain step
+    of its size yet), then it speculates for good."""
+    target = flat_target(0.3)
+    draft = DraftCost(per_forward=0.03, per_row=0.001, per_seq=0.0)
+    ctrl = controller(0.9, target, draft, plain_first=True)
+    hist = simulate(ctrl, make_seqs(1), lambda s, t: 0.9, target, draft, 300, random.Random(5))
+    plain_steps = [i for i, ks in enumerate(hist) if not any(ks)]
+    assert plain_steps == list(range(ctrl.cost.min_measured))
+    assert ctrl.num_cost_probes == ctrl.cost.min_measured
 
 
 def test_a_far_better_speculating_batch_is_not_cost_probed_again() -> None:
