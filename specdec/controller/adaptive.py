@@ -185,7 +185,7 @@ class AdaptiveController:
         chosen = best if v_best > v_held * (1.0 + self.params.margin * changed) else held
         chosen = self._plain_unless_clearly_better(batch, chosen)
         if extra_tokens < 1 and not self._speculating and self.params.plain_first:
-            chosen = self._plain_first(seqs, terms, batch, chosen)
+            chosen = self._plain_first(seqs, terms, chosen)
         if extra_tokens < 1:  # decode-only: its decision sets which side of the band we are on
             self._speculating = any(
                 k > 0 and t.fixed_k is None for k, t in zip(chosen, terms, strict=True)
@@ -226,7 +226,7 @@ class AdaptiveController:
         return chosen if v_chosen > v_plain * (1.0 + margin) else plain
 
     def _plain_first(
-        self, seqs: list[Sequence], terms: list[SeqTerms], batch: BatchGoodput, chosen: list[int]
+        self, seqs: list[Sequence], terms: list[SeqTerms], chosen: list[int]
     ) -> list[int]:
         """Plain until live plain steps of this batch size were measured, before starting to speculate.
 
@@ -235,17 +235,20 @@ class AdaptiveController:
         start believed on that price pays every sequence's draft catch-up, a prompt's worth of
         draft rows, for a gain that is not there. A few plain steps cost little next to that.
         """
-        auto = [i for i, t in enumerate(terms) if t.fixed_k is None and chosen[i] > 0]
-        n_plain = len(seqs)
-        if not auto or self.cost.has_plain_sample(
-            0.8 * n_plain, 1.25 * n_plain, recent=self.cost.window
-        ):
+        plain = self._auto_plain(terms, chosen)
+        if plain == chosen or self._plain_measured(len(seqs), recent=self.cost.window):
             return chosen
-        plain = list(chosen)
-        for i in auto:
-            plain[i] = 0
         self.num_cost_probes += 1
         return plain
+
+    @staticmethod
+    def _auto_plain(terms: list[SeqTerms], ks: list[int]) -> list[int]:
+        """``ks`` with every 'auto' sequence at k = 0 ('on' and 'off' ones keep theirs)."""
+        return [k if t.fixed_k is not None else 0 for k, t in zip(ks, terms, strict=True)]
+
+    def _plain_measured(self, n_plain: float, recent: int = 256) -> bool:
+        """Whether the fit has enough live plain steps within 25% of ``n_plain`` rows lately."""
+        return self.cost.has_plain_sample(0.8 * n_plain, 1.25 * n_plain, recent=recent)
 
     def _terms(self, seq: Sequence, prior: list[float]) -> SeqTerms:
         room = self._max_useful_k(seq)
@@ -357,15 +360,11 @@ class AdaptiveController:
         forced draft after a long k = 0 spell would pay the draft's whole catch-up.) ``out`` is
         updated in place.
         """
-        auto = [i for i, t in enumerate(terms) if t.fixed_k is None and out[i] > 0]
+        plain = self._auto_plain(terms, out)
         n_plain = len(seqs) + batch.extra_tokens
-        lo, hi = 0.8 * n_plain, 1.25 * n_plain
-        if not auto or self.cost.has_plain_sample(lo, hi):
+        if plain == out or self._plain_measured(n_plain):
             return
-        plain = list(out)
-        for i in auto:
-            plain[i] = 0
-        if self.cost.has_plain_sample(lo, hi, recent=self.cost.window):
+        if self._plain_measured(n_plain, recent=self.cost.window):
             v_out, v_plain = batch.assign(out), batch.assign(plain)
             batch.assign(out)
             if v_out > v_plain * (1.0 + self.params.cost_probe_max_gain):
