@@ -331,9 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         "adaptive": adaptive,
     }
     prompts = {w: encode_prompts(engine, WORKLOADS[w][0], args.tiny) for w in args.workloads}
-    # Warm-up (kernels, allocator, the adaptive controller's first live steps); not reported.
-    for w in args.workloads:
-        run_arm(engine, adaptive, "adaptive", f"warmup-{w}", prompts[w], WORKLOADS[w][1], 2, 2, 8)
 
     results: list[ArmResult] = []
     point = 0
@@ -343,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         trace_sink = args.trace.open("w")
     trace = (adaptive, trace_sink) if trace_sink is not None else None
     for w in args.workloads:
+        # Warm-up (kernels, allocator, the adaptive controller's first live steps; not reported)
+        # on this workload right before its points, so the engine-wide acceptance prior that
+        # new requests start from is this workload's, as on a server that serves it, rather
+        # than whatever workload was warmed up or measured last.
+        run_arm(engine, adaptive, "adaptive", f"warmup-{w}", prompts[w], WORKLOADS[w][1], 2, 2, 8)
         for c in args.concurrency:
             n = args.num_prompts or max(c, 4)
             # Rotate the arm order per point, and reverse it every other round, so slow drift on

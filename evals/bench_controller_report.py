@@ -38,6 +38,25 @@ def check_targets(workload: str, concurrency: int, arms: dict[str, dict]) -> dic
     return out
 
 
+def round_ratios(arms: dict[str, dict]) -> dict[str, list[float]]:
+    """Adaptive's throughput over the best other arm's, and over plain's, round by round.
+
+    Runs of one round ran back to back, so a ratio within a round is free of the slow drift of a
+    shared machine that the medians across rounds still carry; the spread of these ratios shows
+    how far a check's verdict rests on noise.
+    """
+    ad = arms.get("adaptive", {}).get("throughput_runs", [])
+    others = [a for a in ("plain", "fixed-k2", "fixed-k4") if a in arms]
+    out: dict[str, list[float]] = {"best": [], "plain": []}
+    for i, v in enumerate(ad):
+        runs = {a: arms[a]["throughput_runs"] for a in others}
+        if others and all(len(r) > i for r in runs.values()):
+            out["best"].append(v / max(r[i] for r in runs.values()))
+            if "plain" in runs:
+                out["plain"].append(v / runs["plain"][i])
+    return out
+
+
 def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [
         "# Adaptive speculation controller: benchmark",
@@ -51,7 +70,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         "figure is in the JSON); TPOT = time per output token after the first, median and "
         "p99 over the requests of all runs, in ms. Checks: A = adaptive within 5% of the best arm, "
         "B = adaptive not more than 3% slower than plain, C = (code, c=1) adaptive at least as "
-        "fast as the best fixed k.",
+        "fast as the best fixed k. Per round: adaptive's throughput over the best other arm's "
+        "(÷ best) and over plain's (÷ plain) in each round, whose runs ran back to back.",
         "",
     ]
     if meta["model"] == "tiny":
@@ -67,7 +87,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
             a for a in ARM_ORDER if any(a in v for (w, _), v in points.items() if w == workload)
         ]
         head = ["c"] + [f"{a} tok/s" for a in arms] + [f"{a} TPOT p50/p99" for a in arms]
-        head += ["adaptive mean k (spec %)", "accept (k4)", "checks"]
+        head += ["adaptive mean k (spec %)", "accept (k4)", "checks", "per round ÷ best; ÷ plain"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for (w, c), by_arm in sorted(points.items()):
             if w != workload:
@@ -91,6 +111,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
                 " ".join(
                     f"{marks[k]}{'✓' if v else '✗'}" for k, v in checks.items() if v is not None
                 )
+            )
+            ratios = round_ratios(by_arm)
+            cells.append(
+                "; ".join(" ".join(f"{r:.2f}" for r in ratios[key]) or "-" for key in ratios)
             )
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs
+from evals.bench_controller_report import round_ratios
 from evals.controller_trace import summarize
 
 
@@ -50,6 +51,23 @@ def test_merge_runs_takes_the_median_throughput_and_pools_the_rest() -> None:
     assert merged.num_requests == 6 and merged.output_tokens == 192
 
 
+def test_round_ratios_compare_runs_of_the_same_round_only() -> None:
+    arms = {
+        "plain": {"throughput_runs": [10.0, 20.0, 10.0]},
+        "fixed-k2": {"throughput_runs": [12.0, 10.0, 8.0]},
+        "adaptive": {"throughput_runs": [11.0, 19.0, 10.5]},
+    }
+    ratios = round_ratios(arms)
+    # Round by round against that round's best arm: 11/12, 19/20, 10.5/10 - not against the
+    # best median (12), which no single round had beside adaptive's run.
+    assert ratios["best"] == pytest.approx([11 / 12, 19 / 20, 10.5 / 10])
+    assert ratios["plain"] == pytest.approx([1.1, 0.95, 1.05])
+    # A round an arm did not finish has no ratio; without adaptive there is nothing to compare.
+    arms["fixed-k2"]["throughput_runs"] = [12.0, 10.0]
+    assert len(round_ratios(arms)["best"]) == 2
+    assert round_ratios({"plain": {"throughput_runs": [1.0]}}) == {"best": [], "plain": []}
+
+
 def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
     argv = ["--tiny", "--quick", "--concurrency", "1", "--workloads", "code", "--repeats", "2"]
     assert main([*argv, "--out-dir", str(tmp_path), "--name", "sweep"]) == 0
@@ -65,7 +83,7 @@ def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
     assert by_arm["plain"]["num_drafted"] == 0 and by_arm["plain"]["draft_forwards"] == 0
     assert by_arm["fixed-k2"]["mean_k"] <= 2.0 < by_arm["fixed-k4"]["mean_k"]
     md = (tmp_path / "sweep.md").read_text()
-    assert "| 1 |" in md and "checks" in md
+    assert "| 1 |" in md and "checks" in md and "per round" in md
     assert (tmp_path / "sweep.png").stat().st_size > 0
 
 
