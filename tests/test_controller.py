@@ -26,6 +26,7 @@ from specdec.controller import (
     expected_tokens,
 )
 from specdec.controller import adaptive as adaptive_module
+from specdec.controller.goodput import BatchGoodput, SeqTerms
 from specdec.controller_base import SeqOutcome, StepObservation
 
 K_MAX = 4
@@ -512,6 +513,36 @@ def test_an_exact_shape_is_priced_at_its_own_steps() -> None:
     assert model.target_time(16, 16) == pytest.approx(true(16, 16), rel=0.03)
     assert model.target_time(16, 8) == pytest.approx(true(16, 8), rel=0.03)
     assert model.target_time(32, 16) == pytest.approx(true(32, 16), rel=0.03)
+
+
+def test_draft_steps_are_priced_at_what_steps_of_their_size_measured() -> None:
+    """One line through every draft step follows the many small ones: the real pair at 16
+    sequences ran its two draft forwards (46 rows) 25% over the line for a whole run, and the
+    controller kept speculating on the difference. Steps of that size price it once three were
+    measured; other sizes, and a size within the tolerance of the line, keep the line."""
+    line = DraftCost(per_forward=0.1, per_row=0.004, per_seq=0.001)
+    model = CostModel(draft=line)
+    small, big, near = [(4, 2), (2, 2)], [(30, 16), (16, 16)], [(100, 16), (16, 16)]
+
+    def fit(forwards: list[tuple[int, int]]) -> float:
+        return sum(model.draft(r, s) for r, s in forwards)
+
+    for _ in range(50):
+        model.observe_draft(small, fit(small))
+    for _ in range(3):
+        assert model.draft_time(big) == pytest.approx(fit(big))  # fewer than three: the line
+        model.observe_draft(big, 1.25 * fit(big))
+        model.observe_draft(near, 1.05 * fit(near))
+    assert model.draft_time(big) == pytest.approx(1.25 * fit(big))
+    assert model.draft_time([(31, 16), (16, 16)]) == pytest.approx(1.25 * fit([(31, 16), (16, 16)]))
+    assert model.draft_time(small) == pytest.approx(fit(small))
+    assert model.draft_time(near) == pytest.approx(fit(near))
+    # The decision prices the same step the same way.
+    terms = [SeqTerms([1.0, 1.9, 2.7], 30 / 16) for _ in range(16)]
+    batch = BatchGoodput(terms, model, K_MAX)
+    batch.assign([2] * 16)
+    plain = model.target_time(16 + 32, 16)
+    assert batch.step_time() == pytest.approx(plain + 1.25 * fit(big))
 
 
 def test_one_stalled_step_cannot_price_a_row_count_out_for_good() -> None:

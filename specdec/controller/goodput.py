@@ -96,11 +96,12 @@ class BatchGoodput:
         if num_drafting == 0:
             return 0.0
         d = self._draft
-        if not self.per_position_forwards:
-            return d.per_forward + d.per_row * sum_k + d.per_seq * num_drafting
-        return (
-            max_k * d.per_forward + d.per_row * (rows0 + sum_k - num_drafting) + d.per_seq * sum_k
-        )
+        if not self.per_position_forwards:  # one forward drafts every position at once
+            return d.forwards(1, sum_k, num_drafting) * self.cost.draft_factor(sum_k)
+        # max_k forwards: the first reads each drafting sequence's catch-up rows, every later
+        # one a row per sequence still drafting; sum_k (sequence, forward) pairs in all.
+        rows = rows0 + sum_k - num_drafting
+        return d.forwards(max_k, rows, sum_k) * self.cost.draft_factor(rows)
 
     def _added_time(self, sum_k: int, max_k: int, drafting: int, rows0: float) -> float:
         """Seconds the decodes add to the step (the whole step when it carries no prefill)."""
