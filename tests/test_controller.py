@@ -327,6 +327,50 @@ def test_a_probe_must_repay_its_draft_catch_up_within_a_few_steps(
     assert probes(unread=True) > 0
 
 
+def test_probing_costs_at_most_about_its_budget() -> None:
+    """Waves of eight fresh sequences at a low acceptance on a step where verify rows are free but
+    draft rows dear: each wave's probe of all eight reads everything they decoded plainly since
+    they joined, several plain steps' worth, and ends back at k = 0. Unbudgeted, those probes cost
+    over a tenth of the throughput; within the budget (2% of the time run, plus the first full
+    credit) they cost a few percent, and probing still happens."""
+    target = flat_target(0.3)
+    draft = DraftCost(per_forward=0.02, per_row=0.01, per_seq=0.0)
+
+    def run(**params: float) -> tuple[float, AdaptiveController]:
+        ctrl = controller(0.1, target, draft, cost_probe_every=10**9, **params)
+        seconds = 0.0
+        observe = ctrl.observe
+
+        def timed(obs: StepObservation) -> None:
+            nonlocal seconds
+            seconds += obs.step_time
+            observe(obs)
+
+        ctrl.observe = timed  # type: ignore[method-assign]
+        rng, tokens = random.Random(4), 0
+        for wave in range(10):
+            seqs = make_seqs(8, start=8 * wave)
+            simulate(ctrl, seqs, lambda s, t: 0.1, target, draft, 64, rng, 0.1, 64 * wave)
+            tokens += sum(s.num_output_tokens for s in seqs)
+        return tokens / seconds, ctrl
+
+    never, _ = run(probe_every=10**9)
+    budgeted, ctrl = run()
+    unbounded, free = run(probe_budget=1e9)
+    assert ctrl.num_probes > 0 and ctrl.num_probes_deferred > 0
+    assert budgeted >= 0.96 * never
+    assert free.num_probes > ctrl.num_probes and unbounded < 0.9 * never
+
+
+def test_probe_budget_is_earned_only_by_steps_with_auto_sequences() -> None:
+    """Steps of 'off' (or 'on') requests alone, such as an A/B arm's, do not pay for probing."""
+    ctrl, rng = controller(0.5), random.Random(0)
+    simulate(ctrl, make_seqs(2, mode="off"), lambda s, t: 0.5, GPU_TARGET, GPU_DRAFT, 50, rng)
+    assert ctrl.stats()["probe_credit_s"] == 0.0
+    simulate(ctrl, make_seqs(2, start=2), lambda s, t: 0.5, GPU_TARGET, GPU_DRAFT, 50, rng)
+    assert ctrl.stats()["probe_credit_s"] > 0.0
+
+
 def test_no_probe_for_a_gain_the_decision_would_not_take() -> None:
     """A draft forward 85% of a target step: even at the probe's optimistic acceptance (0.9)
     speculating would be under 3% faster than plain, below the margin the decision asks, so a

@@ -20,7 +20,10 @@ Each step (``choose_k``):
    drafts ``probe_k`` tokens for one step - but only when speculation could pay for it at a high
    acceptance under the current cost model, the draft's catch-up on the tokens it skipped
    included, so a batch that is off because verifying (or catching up) is expensive is not probed
-   for nothing. Probes fall on multiples of ``probe_every`` so probing sequences share forwards;
+   for nothing. Probes fall on multiples of ``probe_every`` so probing sequences share forwards,
+   and they spend from a budget (``probe_budget`` of the time run): a probe of many sequences whose
+   drafts skipped a prompt's worth of tokens costs several plain steps, and near the break-even
+   point such probes mostly end back at k = 0, so their cost is bounded rather than their number;
 5. a batch that keeps speculating runs one step plain now and then when no live plain step of
    that size was measured lately (calibration's bare forwards do not count: a live step at many
    sequences costs more than a bare forward, and by a share that grows with the batch), so a cost
@@ -73,6 +76,12 @@ class AdaptiveParams:
     probe_max_interval: int = 256
     probe_k: int = 2
     probe_acceptance: float = 0.9  # a probe must be able to pay off at this acceptance
+    # Acceptance probes may cost (predicted seconds beyond what their expected tokens are worth)
+    # this share of the time that steps with 'auto' sequences ran, banked up to
+    # ``probe_credit_steps`` mean step times, so that however expensive one probe is, probing
+    # costs at most about this share of throughput.
+    probe_budget: float = 0.02
+    probe_credit_steps: float = 4.0
     # How often to check the fit has seen live plain steps of this batch size lately. Cheap to
     # check often: at most ``CostModel.min_measured`` probes per size per 256 steps run, however
     # often it is checked, and a batch that just grew learns its plain price in ~3 x this.
@@ -144,6 +153,9 @@ class AdaptiveController:
         self.extra_seqs = 0.0
         self._expected_prefill: tuple[int, int] | None = None  # told by the engine, next step
         self.num_probes = 0
+        self.num_probes_deferred = 0  # probe rounds put off for want of probe budget
+        self._probe_credit_s: float | None = None  # None until the first step is observed
+        self._mean_step_s = 0.0  # moving average of observed step times (the credit's unit)
         self.num_cost_probes = 0
         self.num_shape_probes = 0
         self.num_changes = 0
@@ -344,10 +356,66 @@ class AdaptiveController:
         if v_trial <= v_chosen * (1.0 + p.plain_margin):
             return []
         probes = [i for i in due if trial.ks[i] > 0]
+        probed = list(out)
         for i in probes:
-            out[i] = min(p.probe_k, terms[i].max_k)
+            probed[i] = min(p.probe_k, terms[i].max_k)
+        if probes and not self._spend_probe_budget(seqs, terms, batch, out, probed, probes):
+            self.num_probes_deferred += 1
+            return []
+        out[:] = probed
         self.num_probes += len(probes)
         return probes
+
+    def _spend_probe_budget(
+        self,
+        seqs: list[Sequence],
+        terms: list[SeqTerms],
+        batch: BatchGoodput,
+        out: list[int],
+        probed: list[int],
+        probes: list[int],
+    ) -> bool:
+        """Take the probes' predicted cost from the probe budget; False (nothing taken) when the
+        budget cannot cover it.
+
+        The cost is the seconds the probes add to the step, their drafts' whole catch-up included
+        (a probe pays it at once), less what their expected tokens are worth at the rate of the
+        step without them. The credit may go below zero once it is full (``probe_credit_steps``
+        step times), so a probe dearer than that still runs now and then, after a long wait.
+        """
+        real = list(terms)
+        for i in probes:
+            raw = float(self._ready.get(seqs[i].seq_id, 1))
+            real[i] = replace(terms[i], catchup_rows=raw)
+        step = BatchGoodput(
+            real,
+            self.cost,
+            self.k_max,
+            batch.extra_tokens,
+            batch.num_seqs - len(terms),
+            self.per_position_forwards,
+        )
+        step.assign(out)
+        t0, g0 = step.step_time(), step.sum_gain
+        step.assign(probed)
+        t1, g1 = step.step_time(), step.sum_gain
+        overhead = max(0.0, (t1 - t0) - (g1 - g0) * t0 / max(g0, 1e-9))
+        credit = self._probe_credit_s
+        cap = self.params.probe_credit_steps * self._mean_step_s
+        if credit is not None and credit < min(overhead, cap):
+            return False
+        self._probe_credit_s = (credit if credit is not None else cap) - overhead
+        return True
+
+    def _earn_probe_budget(self, step_time: float) -> None:
+        """Bank ``probe_budget`` of an observed step's time, up to ``probe_credit_steps`` steps."""
+        w = 0.05
+        self._mean_step_s = (
+            step_time if self._mean_step_s == 0 else ((1 - w) * self._mean_step_s + w * step_time)
+        )
+        cap = self.params.probe_credit_steps * self._mean_step_s
+        credit = cap if self._probe_credit_s is None else self._probe_credit_s
+        self._probe_credit_s = min(cap, credit + self.params.probe_budget * step_time)
 
     def _cost_probe(
         self, seqs: list[Sequence], terms: list[SeqTerms], batch: BatchGoodput, out: list[int]
@@ -456,6 +524,10 @@ class AdaptiveController:
             obs.num_target_tokens, obs.num_seqs, max(obs.step_time - obs.draft_time, 1e-9)
         )
         self._observe_prefill(obs)
+        if any(o.seq.spec_mode == "auto" for o in obs.outcomes):
+            # The budget is a share of the time 'auto' sequences ran: steps of 'on' and 'off'
+            # requests alone (an A/B arm, an eval) do not pay for probing 'auto' ones.
+            self._earn_probe_budget(obs.step_time)
         for o in obs.outcomes:
             if o.seq.is_finished:
                 self._forget(o.seq.seq_id)
@@ -506,6 +578,8 @@ class AdaptiveController:
             "predicted_step_time_s": self._last.step_time,
             "prefill_rows_estimate": self.extra_tokens,
             "num_probes": self.num_probes,
+            "num_probes_deferred": self.num_probes_deferred,
+            "probe_credit_s": self._probe_credit_s or 0.0,
             "num_cost_probes": self.num_cost_probes,
             "num_shape_probes": self.num_shape_probes,
             "num_decision_changes": self.num_changes,
