@@ -341,14 +341,7 @@ class AdaptiveController:
             gains = expected_tokens_table(optimistic)
             catchup = self._catchup_rows(seqs[i], PROBE_PAYBACK_STEPS)
             what_if[i] = SeqTerms(gains, catchup, None)
-        trial = BatchGoodput(
-            what_if,
-            self.cost,
-            self.k_max,
-            batch.extra_tokens,
-            batch.num_seqs - len(terms),
-            self.per_position_forwards,
-        )
+        trial = self._same_step(batch, what_if)
         v_chosen = trial.assign(chosen)
         v_trial = trial.search([chosen, [self.k_max] * len(chosen)], refine=2)[1]
         # The same bar as the decision itself: a gain the decision would not take even if the
@@ -365,6 +358,17 @@ class AdaptiveController:
         out[:] = probed
         self.num_probes += len(probes)
         return probes
+
+    def _same_step(self, batch: BatchGoodput, terms: list[SeqTerms]) -> BatchGoodput:
+        """The objective of ``batch``'s step (same prefill rows beside it) over other terms."""
+        return BatchGoodput(
+            terms,
+            self.cost,
+            self.k_max,
+            batch.extra_tokens,
+            batch.num_seqs - len(batch.terms),
+            self.per_position_forwards,
+        )
 
     def _spend_probe_budget(
         self,
@@ -387,14 +391,7 @@ class AdaptiveController:
         for i in probes:
             raw = float(self._ready.get(seqs[i].seq_id, 1))
             real[i] = replace(terms[i], catchup_rows=raw)
-        step = BatchGoodput(
-            real,
-            self.cost,
-            self.k_max,
-            batch.extra_tokens,
-            batch.num_seqs - len(terms),
-            self.per_position_forwards,
-        )
+        step = self._same_step(batch, real)
         step.assign(out)
         t0, g0 = step.step_time(), step.sum_gain
         step.assign(probed)
