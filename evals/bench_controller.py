@@ -22,9 +22,9 @@ Smoke run on tiny random models (a minute or two):
 
     python -m evals.bench_controller --tiny --quick
 
-Per-step trace (``--trace steps.jsonl``, see ``evals.controller_trace``): every decode step of
-every arm with its measured and predicted target/draft time and expected vs committed tokens,
-plus ``steps.md``, a table of them by shape.
+Per-step trace (``--trace steps.jsonl``, see ``evals.controller_trace``): every step of every
+arm, decode steps with their measured and predicted target/draft time and expected vs committed
+tokens, plus ``steps.md``: where each arm's wall time went, and pure decode steps by shape.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import SpecStats
 from evals.bench_controller_report import write_markdown, write_plot
-from evals.controller_trace import TracingController, summarize
+from evals.controller_trace import TracingController, summarize, wall_time_table
 from specdec.controller import AdaptiveController, build_controller
 from specdec.controller_base import SpeculationController, StaticController
 
@@ -173,13 +173,16 @@ def run_arm(
     num_prompts: int,
     max_tokens: int,
     trace: tuple[AdaptiveController, TextIO] | None = None,
+    round_index: int = 0,
 ) -> ArmResult:
     """Closed loop: keep ``concurrency`` requests in flight until ``num_prompts`` finished.
     ``trace``: (the model that prices each step, where its JSON lines go), or None."""
     engine.controller = controller
+    tracer: TracingController | None = None
     if trace is not None:
-        tags = {"workload": workload, "concurrency": concurrency, "arm": arm}
-        engine.controller = TracingController(controller, trace[0], trace[1], tags)
+        tags = {"workload": workload, "concurrency": concurrency, "arm": arm, "round": round_index}
+        tracer = TracingController(controller, trace[0], trace[1], tags)
+        engine.controller = tracer
     speculative = "off" if arm == "plain" else "auto"
     queue = [
         (
@@ -209,6 +212,8 @@ def run_arm(
             if n > 1 and out.first_token_time is not None and out.finish_time is not None:
                 tpots.append((out.finish_time - out.first_token_time) / (n - 1))
     wall = time.perf_counter() - start
+    if tracer is not None:
+        tracer.end_run(wall, out_tokens)
     after = engine.spec_stats
     drafted = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
@@ -308,7 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--trace",
         type=Path,
         default=None,
-        help="write every decode step of every arm here (JSON lines; a .md summary beside it)",
+        help="write every step of every arm here (JSON lines; a .md summary beside it)",
     )
     args = p.parse_args(argv)
     if args.quick:
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in order if rep % 2 == 0 else order[::-1]:
                     r = run_arm(
                         engine, controllers[arm], arm, w, prompts[w], WORKLOADS[w][1], c, n,
-                        args.max_tokens, trace,
+                        args.max_tokens, trace, rep,
                     )  # fmt: skip
                     runs[arm].append(r)
                     logger.info(
@@ -373,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     if trace_sink is not None:
         trace_sink.close()
         with args.trace.open() as f:
-            table = summarize(json.loads(line) for line in f)
+            lines = [json.loads(line) for line in f]
+        table = "## Where the wall time went\n\n" + wall_time_table(lines)
+        table += "\n## Pure decode steps by shape\n\n" + summarize(lines)
         args.trace.with_suffix(".md").write_text(table)
         logger.info("wrote the step trace %s and its summary (.md)", args.trace)
     logger.info("wrote %s (.md, .png) in %.0f s", json_path, time.perf_counter() - t0)

@@ -11,13 +11,18 @@ adaptive model, so a trace answers "was the decision wrong, or the prediction, o
 - expected vs committed tokens shows whether acceptance estimates run high where they select;
 - the same shape measured in two arms at different times shows how much the machine drifted.
 
-``summarize`` groups pure decode steps by (arm, decodes, sorted k's) into a markdown table.
+Steps without decodes (a prefill alone) get a line too, and every run ends with a ``kind: run``
+line (its wall time), so ``wall_time_table`` can say where each arm's time went: pure decode steps
+at a full batch, pure decode steps below it (a batch filling or draining), steps carrying prefill
+rows, and time between steps. ``summarize`` groups pure decode steps by (arm, decodes, sorted k's)
+into a markdown table.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import TextIO
@@ -29,14 +34,14 @@ from specdec.controller_base import SpeculationController, StepObservation
 
 
 class TracingController:
-    """Implements ``SpeculationController`` by delegation; writes one JSON line per decode step.
+    """Implements ``SpeculationController`` by delegation; writes one JSON line per step.
 
     Args:
         inner: the controller that decides.
         model: the adaptive controller whose cost model and acceptance estimates price each step
             (may be ``inner`` itself).
         sink: where the JSON lines go.
-        tags: fields added to every line (arm, workload, concurrency).
+        tags: fields added to every line (arm, workload, concurrency, round).
     """
 
     def __init__(
@@ -70,19 +75,24 @@ class TracingController:
         return ks
 
     def observe(self, obs: StepObservation) -> None:
+        decodes = [o for o in obs.outcomes if o.seq.seq_id in self._expected]
+        line: dict[str, object] = {
+            **self.tags,
+            "kind": "step",
+            "t": time.perf_counter(),
+            "step_s": obs.step_time,
+            "rows": obs.num_target_tokens,
+            "seqs": obs.num_seqs,
+            "decodes": len(self._expected),
+            "prefill_rows": obs.num_target_tokens - sum(1 + o.num_drafted for o in decodes),
+            "target_s": max(obs.step_time - obs.draft_time, 0.0),
+            "draft_s": obs.draft_time,
+        }
         if self._expected:
-            decodes = [o for o in obs.outcomes if o.seq.seq_id in self._expected]
             cost = self.model.cost
-            line = {
-                **self.tags,
+            line |= {
                 "ks": self._ks,  # decided (the scheduler may clip a k near max_tokens)
                 "drafted": [o.num_drafted for o in decodes],  # verified
-                "rows": obs.num_target_tokens,
-                "seqs": obs.num_seqs,
-                "decodes": len(self._expected),
-                "prefill_rows": obs.num_target_tokens - sum(1 + o.num_drafted for o in decodes),
-                "target_s": max(obs.step_time - obs.draft_time, 0.0),
-                "draft_s": obs.draft_time,
                 "predicted_target_s": cost.target_time(obs.num_target_tokens, obs.num_seqs),
                 "predicted_draft_s": cost.draft_time(obs.draft_forwards),
                 "predicted_step_s": self._predicted_step,
@@ -90,12 +100,21 @@ class TracingController:
                 "expected_tokens": sum(self._expected.values()),
                 "committed_tokens": sum(1 + o.num_accepted for o in decodes),
             }
-            self.sink.write(json.dumps(line) + "\n")
+        self.sink.write(json.dumps(line) + "\n")
         self._expected = {}
         self.inner.observe(obs)
 
     def stats(self) -> dict:
         return self.inner.stats()
+
+    def end_run(self, wall_s: float, output_tokens: int) -> None:
+        """Close a run with its wall time (the denominator of its throughput)."""
+        line = {**self.tags, "kind": "run", "wall_s": wall_s, "output_tokens": output_tokens}
+        self.sink.write(json.dumps(line) + "\n")
+
+
+def _steps(lines: Iterable[dict]) -> list[dict]:
+    return [line for line in lines if line.get("kind", "step") == "step"]
 
 
 def summarize(lines: Iterable[dict], min_steps: int = 3) -> str:
@@ -103,8 +122,8 @@ def summarize(lines: Iterable[dict], min_steps: int = 3) -> str:
     medians of measured and predicted target/draft ms, mean expected and committed tokens, and
     measured vs predicted tokens/s."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for line in lines:
-        if line["prefill_rows"] == 0:
+    for line in _steps(lines):
+        if line["prefill_rows"] == 0 and line["decodes"] > 0:
             key = (line.get("workload", ""), line.get("concurrency", 0), line.get("arm", ""))
             groups[(*key, line["decodes"], tuple(sorted(line["ks"])))].append(line)
     out = [
@@ -128,5 +147,48 @@ def summarize(lines: Iterable[dict], min_steps: int = 3) -> str:
             f"| {workload} | {c} | {arm} | {decodes} | {','.join(map(str, ks))} | {len(steps)} "
             f"| {t * 1e3:.0f} ({pt * 1e3:.0f}) | {d * 1e3:.0f} ({pd * 1e3:.0f}) "
             f"| {exp:.2f} / {got:.2f} | {got / max(t + d, 1e-9):.2f} ({exp / max(pt + pd, 1e-9):.2f}) |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def wall_time_table(lines: Iterable[dict]) -> str:
+    """Markdown table: where each arm's wall time went, per (workload, concurrency, arm), as the
+    median over its runs of seconds (and steps) in pure decode steps at ``concurrency`` decodes,
+    pure decode steps with fewer (the batch filling up or draining), steps carrying prefill rows
+    (prefill alone or beside decodes), and between steps (the driver, request bookkeeping)."""
+    runs: dict[tuple, dict[int, dict[str, float]]] = defaultdict(dict)
+    for line in lines:
+        key = (line.get("workload", ""), line.get("concurrency", 0), line.get("arm", ""))
+        acc = runs[key].setdefault(
+            line.get("round", 0),
+            {"full": 0.0, "n_full": 0, "part": 0.0, "n_part": 0, "prefill": 0.0, "n_prefill": 0},
+        )
+        if line.get("kind") == "run":
+            acc["wall"] = line["wall_s"]
+            continue
+        kind = "prefill" if line["prefill_rows"] > 0 else "part"
+        if kind == "part" and line["decodes"] >= line.get("concurrency", 0):
+            kind = "full"
+        acc[kind] += line["step_s"]
+        acc[f"n_{kind}"] += 1
+    out = [
+        "| workload | c | arm | runs | wall s | full-batch decode s (steps) "
+        "| partial-batch decode s (steps) | prefill-carrying s (steps) | between steps s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, by_round in sorted(runs.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        done = [r for r in by_round.values() if "wall" in r]
+        if not done:
+            continue
+
+        def med(field: str, done: list[dict[str, float]] = done) -> float:
+            return statistics.median(r[field] for r in done)
+
+        between = statistics.median(r["wall"] - r["full"] - r["part"] - r["prefill"] for r in done)
+        workload, c, arm = key
+        out.append(
+            f"| {workload} | {c} | {arm} | {len(done)} | {med('wall'):.1f} "
+            f"| {med('full'):.1f} ({med('n_full'):.0f}) | {med('part'):.1f} ({med('n_part'):.0f}) "
+            f"| {med('prefill'):.1f} ({med('n_prefill'):.0f}) | {between:.2f} |"
         )
     return "\n".join(out) + "\n"

@@ -8,7 +8,7 @@ import pytest
 
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs
 from evals.bench_controller_report import round_ratios
-from evals.controller_trace import summarize
+from evals.controller_trace import summarize, wall_time_table
 
 
 def _run(throughput: float, tpots: list[float], drafted: int, accepted: int) -> ArmResult:
@@ -93,8 +93,19 @@ def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) 
     assert main([*argv, "--out-dir", str(tmp_path), "--trace", str(trace)]) == 0
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert {line["arm"] for line in lines} == set(ARMS)
+    assert all(line["workload"] == "code" and line["concurrency"] == 1 for line in lines)
+    runs = [line for line in lines if line["kind"] == "run"]
+    assert len(runs) == len(ARMS)  # one round: one run line per arm, ending it
+    for run in runs:
+        own = [x for x in lines if x["arm"] == run["arm"] and x["kind"] == "step"]
+        # The steps of a run account for its wall time, all but the driver's bookkeeping.
+        assert 0 < sum(x["step_s"] for x in own) <= run["wall_s"]
+        assert sum(x["committed_tokens"] for x in own if x["decodes"]) < run["output_tokens"]
+    # The prefill steps (no decodes yet) are there too, without the decode fields.
+    assert any(x["kind"] == "step" and x["decodes"] == 0 and x["prefill_rows"] > 0 for x in lines)
     for line in lines:
-        assert line["workload"] == "code" and line["concurrency"] == 1
+        if line["kind"] == "run" or line["decodes"] == 0:
+            continue
         assert line["predicted_target_s"] > 0 and line["target_s"] > 0
         assert line["committed_tokens"] >= line["decodes"] >= 1
         if line["arm"] == "plain":
@@ -107,6 +118,7 @@ def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) 
         assert (line["predicted_step_s"] is not None) == (line["arm"] == "adaptive")
     table = trace.with_suffix(".md").read_text()
     assert "| code | 1 | fixed-k4 | 1 | 4 |" in table
+    assert "Where the wall time went" in table and "| code | 1 | plain | 1 |" in table
 
 
 def test_trace_summary_groups_pure_decode_steps_by_shape() -> None:
@@ -124,3 +136,24 @@ def test_trace_summary_groups_pure_decode_steps_by_shape() -> None:
     assert rows == [
         "| open | 2 | a | 2 | 1,2 | 3 | 200 (200) | 100 (100) | 3.00 / 2.00 | 6.67 (10.00) |"
     ]
+
+
+def test_wall_time_table_splits_each_run_by_step_kind() -> None:
+    def step(rnd: int, decodes: int, prefill: int, seconds: float) -> dict:
+        return dict(
+            workload="open", concurrency=2, arm="a", round=rnd, kind="step",
+            decodes=decodes, prefill_rows=prefill, step_s=seconds,
+        )  # fmt: skip
+
+    lines = []
+    for rnd, wall in ((0, 3.0), (1, 5.0), (2, 4.0)):
+        lines += [step(rnd, 0, 40, 0.5), step(rnd, 1, 20, 0.25)]  # prefill alone, then beside
+        lines += [step(rnd, 2, 0, 0.5)] * (rnd + 2)  # full batch
+        lines += [step(rnd, 1, 0, 0.25)]  # one sequence left
+        lines.append(dict(workload="open", concurrency=2, arm="a", round=rnd, kind="run",
+                          wall_s=wall, output_tokens=10))  # fmt: skip
+    lines.append(step(3, 2, 0, 9.0))  # a run that never finished: left out
+    rows = [r for r in wall_time_table(lines).splitlines() if r.startswith("| open")]
+    # Medians over the three runs: full batch 1.5 s (3 steps), one sequence 0.25 s, prefill
+    # 0.75 s, and between steps the median of wall - steps: 3-2.0, 5-2.5, 4-3.0 = 1.0, 2.5, 1.0.
+    assert rows == ["| open | 2 | a | 3 | 4.0 | 1.5 (3) | 0.2 (1) | 0.8 (2) | 1.00 |"]
