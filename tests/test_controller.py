@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -557,6 +558,63 @@ def test_an_exact_shape_is_priced_at_its_own_steps() -> None:
     assert model.target_time(16, 16) == pytest.approx(true(16, 16), rel=0.03)
     assert model.target_time(16, 8) == pytest.approx(true(16, 8), rel=0.03)
     assert model.target_time(32, 16) == pytest.approx(true(32, 16), rel=0.03)
+
+
+# The real pair's draft on two CPU cores, roughly: a decode row reads weights, a catch-up row of a
+# prompt is compute-bound and costs about ten times as much.
+CPU_DRAFT = DraftCost(per_forward=0.1, per_row=7e-4, per_seq=0.0, knee=16, per_row_above_knee=6e-3)
+CPU_TARGET = TargetCost(base=0.28, per_seq=0.005, slope_low=0.0015, knee=12, slope_high=0.0167)
+
+
+def test_cost_fit_finds_the_knee_where_draft_catch_up_rows_turn_dear() -> None:
+    """Most draft forwards carry a row or two per sequence; now and then one catches a draft up
+    on a prompt. A line through them all follows the small ones and prices a 240-row catch-up at
+    a fraction of its time; the fit finds the knee and prices both."""
+    rng = np.random.default_rng(1)
+    model = CostModel()
+    for i in range(300):
+        s = int(rng.integers(1, 17))
+        k = int(rng.integers(1, K_MAX + 1))
+        first = s * int(rng.integers(1, 3)) + (int(rng.integers(40, 250)) if i % 10 == 3 else 0)
+        forwards = [(first, s)] + [(s, s)] * (k - 1)
+        noise = 1 + 0.03 * rng.standard_normal()
+        model.observe_draft(forwards, _sum_draft(CPU_DRAFT, forwards) * noise)
+        model.observe_target(s * (1 + k), s, CPU_TARGET(s * (1 + k), s) * noise)
+    model.refit(search_knee=True)
+
+    assert model.draft.knee == CPU_DRAFT.knee
+    catch_up, small = [(240, 4), (4, 4)], [(8, 4), (4, 4)]
+    assert model.draft_time(catch_up) == pytest.approx(_sum_draft(CPU_DRAFT, catch_up), rel=0.1)
+    assert model.draft_time(small) == pytest.approx(_sum_draft(CPU_DRAFT, small), rel=0.05)
+    # The same steps through a line (the knee never searched) misprice the catch-up. (Measured
+    # steps of its size correct that after a few, but on a server catch-ups are rare.)
+    line = CostModel()
+    for sample in model._draft_live:
+        line.observe_draft(list(sample.forwards), sample.seconds)
+    line.refit(search_knee=False)
+    assert _sum_draft(line.draft, catch_up) < 0.8 * _sum_draft(CPU_DRAFT, catch_up)
+
+
+@pytest.mark.parametrize(
+    ("draft", "speculates"),
+    [(replace(CPU_DRAFT, knee=math.inf), True), (CPU_DRAFT, False)],
+)
+def test_a_batch_whose_drafts_skipped_the_prompt_is_charged_its_catch_up_at_catch_up_prices(
+    draft: DraftCost, speculates: bool
+) -> None:
+    """Four sequences at acceptance 0.6 whose draft has not read their 60-token prompts. At a
+    decode row's price the catch-up is cheap and drafting one token each is predicted 14% faster
+    than plain, so the batch starts; at the compute-bound price of prompt rows (spread over the
+    16 steps it pays for) the gain is 1%, below the bar, and the batch stays plain."""
+    ctrl = controller(0.6, target=CPU_TARGET, draft=draft)
+    seqs = make_seqs(4, prompt_len=60)
+    for seq in seqs:
+        seq.num_draft_computed_tokens = 0
+    ks = ctrl.choose_k(seqs)
+    assert (max(ks) > 0) == speculates
+    terms = ctrl._terms(seqs[0], ctrl.acceptance.prior())
+    assert terms.catchup_rows == 2.0
+    assert terms.catchup_s == pytest.approx((draft(60, 1) - draft(2, 1)) / 16)
 
 
 def test_draft_steps_are_priced_at_what_steps_of_their_size_measured() -> None:

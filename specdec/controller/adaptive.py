@@ -270,21 +270,31 @@ class AdaptiveController:
             fixed = 0
         elif seq.spec_mode == "on":
             fixed = room
-        return SeqTerms(gains, self._catchup_rows(seq, CATCHUP_PAYBACK_STEPS), fixed)
+        rows, catchup_s = self._catchup(seq, CATCHUP_PAYBACK_STEPS)
+        return SeqTerms(gains, rows, fixed, catchup_s)
 
-    def _catchup_rows(self, seq: Sequence, payback_steps: int) -> float:
-        """Draft rows charged to this step for the sequence's first draft forward.
+    def _catchup(self, seq: Sequence, payback_steps: int) -> tuple[float, float]:
+        """(rows the sequence adds to the first draft forward, seconds charged to this step for
+        the rest of its draft's catch-up) if it drafts.
 
         The draft must read a whole prompt (or everything since it last drafted) once; that buys
         speculation for the steps after, so only a share is charged: the rows beyond the usual
-        one or two spread over ``payback_steps`` steps, fewer near the end of the reply (about
-        two tokens a step).
+        one or two, priced as the compute-bound rows they are, spread over ``payback_steps``
+        steps, fewer near the end of the reply (about two tokens a step).
         """
         raw = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
         if raw <= 2:
-            return float(raw)
+            return float(raw), 0.0
         horizon = min(payback_steps, max(1.0, self._remaining_tokens(seq) / 2))
-        return 2.0 + (raw - 2) / horizon
+        return 2.0, self._catchup_seconds(raw) / horizon
+
+    def _catchup_seconds(self, raw_rows: int) -> float:
+        """Draft seconds for reading ``raw_rows`` unseen rows beyond the usual two (a lookup
+        proposer reads nothing)."""
+        if raw_rows <= 2 or not self.per_position_forwards:
+            return 0.0
+        whole = self.cost.draft_time([(raw_rows, 1)])
+        return max(0.0, whole - self.cost.draft_time([(2, 1)]))
 
     def _remaining_tokens(self, seq: Sequence) -> int:
         if seq.params.max_tokens is None:
@@ -339,8 +349,8 @@ class AdaptiveController:
             est = self.acceptance.estimate(seqs[i].seq_id, prior)
             optimistic = [max(a, p.probe_acceptance) for a in est[: terms[i].max_k]]
             gains = expected_tokens_table(optimistic)
-            catchup = self._catchup_rows(seqs[i], PROBE_PAYBACK_STEPS)
-            what_if[i] = SeqTerms(gains, catchup, None)
+            rows, catchup_s = self._catchup(seqs[i], PROBE_PAYBACK_STEPS)
+            what_if[i] = SeqTerms(gains, rows, None, catchup_s)
         trial = self._same_step(batch, what_if)
         v_chosen = trial.assign(chosen)
         v_trial = trial.search([chosen, [self.k_max] * len(chosen)], refine=2)[1]
@@ -389,8 +399,8 @@ class AdaptiveController:
         """
         real = list(terms)
         for i in probes:
-            raw = float(self._ready.get(seqs[i].seq_id, 1))
-            real[i] = replace(terms[i], catchup_rows=raw)
+            raw = self._ready.get(seqs[i].seq_id, 1)
+            real[i] = replace(terms[i], catchup_s=self._catchup_seconds(raw))
         step = self._same_step(batch, real)
         step.assign(out)
         t0, g0 = step.step_time(), step.sum_gain
@@ -600,6 +610,7 @@ class AdaptiveController:
             f"+{s['cost_target_per_token_s'] * 1e3:.3f}ms/tok(knee {s['cost_target_knee_tokens']:.0f},"
             f" then {s['cost_target_per_token_above_knee_s'] * 1e3:.3f}ms/tok)"
             f" draft={s['cost_draft_per_forward_s'] * 1e3:.2f}ms/fwd"
-            f"+{s['cost_draft_per_row_s'] * 1e3:.3f}ms/row "
+            f"+{s['cost_draft_per_row_s'] * 1e3:.3f}ms/row(knee {s['cost_draft_knee_rows']:.0f},"
+            f" then {s['cost_draft_per_row_above_knee_s'] * 1e3:.3f}ms/row) "
             f"goodput={s['predicted_goodput_tokens_per_s']:.1f}tok/s probes={s['num_probes']}"
         )

@@ -1,8 +1,8 @@
 """Start-up calibration: time a few bare target and draft forwards to seed the cost model.
 
 Plain decodes (1 row per sequence) and verifies (1 + k rows per sequence, every k up to k_max)
-are timed at a few batch sizes, plus draft forwards of 1-2 rows per sequence and one longer
-catch-up. Each shape runs on temporary sequences whose blocks come from the engine's allocator and
+are timed at a few batch sizes, plus draft forwards of 1-2 rows per sequence and two longer
+catch-ups (16 and 64 rows). Each shape runs on temporary sequences whose blocks come from the engine's allocator and
 go back to it afterwards (the free count returns to where it started). The keys before
 ``start_pos`` are whatever the pool holds (zeros at start-up): the numbers are timings, never used
 as text. Shapes are measured fewest rows first while a time budget lasts, at least three of each
@@ -139,7 +139,9 @@ def calibrate(
     draft_runner = getattr(engine.proposer, "runner", None)
     draft_shapes: list[tuple[int, int]] = []
     if draft_runner is not None:
-        draft_shapes = sorted({(s, r) for s in sizes for r in (1, 2)} | {(1, 16)})
+        # Plus two catch-ups of one sequence: a draft reading a prompt is compute-bound, and
+        # its rows cost several times a decode row (the cost model's draft knee).
+        draft_shapes = sorted({(s, r) for s in sizes for r in (1, 2)} | {(1, 16), (1, 64)})
 
     free_before = engine.allocator.num_free_blocks
     vocab = engine.target_runner.vocab_size

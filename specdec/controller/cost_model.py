@@ -12,13 +12,18 @@ at a much smaller ``n``. Which knee fits is chosen from a grid by weighted squar
 
 Draft part: a step runs one draft forward per drafted position, each costing::
 
-    D(rows, seqs) = per_forward + per_row * rows + per_seq * seqs
+    D(rows, seqs) = per_forward + per_seq * seqs
+                    + per_row * min(rows, knee) + per_row_above_knee * max(0, rows - knee)
 
-(rows > seqs only in the first forward, which catches the draft up on unseen tokens). One line
-through every draft step follows the many small ones, so a step's draft price is the line times the
-median measured / fitted ratio of recent live draft steps with about as many rows (within a factor
-of two), where that ratio is off 1 by more than ``curve_tolerance`` and rests on ``min_measured``
-steps, the newest within ``stale_after``.
+(rows > seqs only in the first forward, which catches the draft up on unseen tokens). The knee is
+the target's, for the same reason: a draft forward of a few rows reads the weights, one that
+catches up on a prompt (hundreds of rows) is compute-bound, and on a two-core CPU such a row cost
+the 0.5B draft about ten times a decode row. A line through the many small forwards priced a
+four-sequence catch-up of 241 rows at 0.37 s; it ran 1.6 s. The knee is chosen from the grid as
+for the target; calibration times one catch-up-sized forward so that it is known from the start.
+A step's draft price is the fit times the median measured / fitted ratio of recent live draft
+steps with about as many rows (within a factor of two), where that ratio is off 1 by more than
+``curve_tolerance`` and rests on ``min_measured`` steps, the newest within ``stale_after``.
 
 Fitting is weighted least squares of *relative* errors (timing noise is multiplicative, and a
 short decode step matters as much as a long prefill step) over a window of recent steps, weights
@@ -54,9 +59,10 @@ two shapes is the one the controller makes every step.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -86,18 +92,23 @@ class TargetCost:
 
 @dataclass(frozen=True)
 class DraftCost:
-    """Seconds for one draft forward over ``rows`` token rows of ``seqs`` sequences."""
+    """Seconds for one draft forward over ``rows`` token rows of ``seqs`` sequences; rows beyond
+    ``knee`` cost ``per_row_above_knee`` each (the default knee: none, a line)."""
 
     per_forward: float
     per_row: float
     per_seq: float
+    knee: float = math.inf
+    per_row_above_knee: float = 0.0
 
     def __call__(self, rows: float, seqs: float) -> float:
-        return self.forwards(1, rows, seqs)
-
-    def forwards(self, num_forwards: int, rows: float, seqs: float) -> float:
-        """Seconds for ``num_forwards`` forwards over ``rows`` and ``seqs`` in total (linear)."""
-        return self.per_forward * num_forwards + self.per_row * rows + self.per_seq * seqs
+        high = max(0.0, rows - self.knee)
+        return (
+            self.per_forward
+            + self.per_row * min(rows, self.knee)
+            + self.per_row_above_knee * high
+            + self.per_seq * seqs
+        )
 
 
 class TargetCurve:
@@ -168,13 +179,21 @@ class TargetSample:
 
 @dataclass
 class DraftSample:
-    """One step's draft work (or one calibration forward): forwards and their summed shapes."""
+    """One step's draft work (or one calibration forward): forwards and their summed shapes, and
+    each forward's (rows, seqs) where known (else the sums split evenly over the forwards)."""
 
     num_forwards: int
     rows: int
     seqs: int
     seconds: float
     calibration: bool = False
+    forwards: tuple[tuple[int, int], ...] = ()
+
+    def each(self) -> tuple[tuple[float, float], ...]:
+        if self.forwards:
+            return tuple((float(r), float(s)) for r, s in self.forwards)
+        f = max(1, self.num_forwards)
+        return ((self.rows / f, self.seqs / f),) * f
 
 
 def _target_features(samples: Sequence[TargetSample], knee: float) -> np.ndarray:
@@ -190,16 +209,19 @@ def _target_features(samples: Sequence[TargetSample], knee: float) -> np.ndarray
     )  # [num_samples, 5]
 
 
-def _draft_features(samples: Sequence[DraftSample]) -> np.ndarray:
+def _draft_features(samples: Sequence[DraftSample], knee: float) -> np.ndarray:
     f = np.array([s.num_forwards for s in samples], dtype=np.float64)
+    low = [sum(min(r, knee) for r, _ in s.each()) for s in samples]
+    high = [sum(max(0.0, r - knee) for r, _ in s.each()) for s in samples]
     return np.column_stack(
         [
             f,
-            np.array([s.rows for s in samples], dtype=np.float64),
+            np.array(low, dtype=np.float64),
+            np.array(high, dtype=np.float64),
             np.array([s.seqs for s in samples], dtype=np.float64),
             f * np.array([s.calibration for s in samples], dtype=np.float64),
         ]
-    )  # [num_samples, 4]
+    )  # [num_samples, 5]
 
 
 def fit_nonneg_ridge(
@@ -393,9 +415,8 @@ class CostModel:
             recent = self._draft_measured.get(bucket, ())
             fresh = recent and self.num_observations - recent[-1][1] <= self.stale_after
             if len(recent) >= self.min_measured and fresh:
-                d = self.draft
                 ratio = statistics.median(
-                    s.seconds / max(d.forwards(s.num_forwards, s.rows, s.seqs), _MIN_TIME)
+                    s.seconds / max(sum(self.draft(r, n) for r, n in s.each()), _MIN_TIME)
                     for s, _ in recent
                 )
                 if abs(ratio - 1.0) > self.curve_tolerance:
@@ -432,7 +453,7 @@ class CostModel:
         if forwards:
             rows = sum(r for r, _ in forwards)
             seqs = sum(s for _, s in forwards)
-            sample = DraftSample(len(forwards), rows, seqs, seconds)
+            sample = DraftSample(len(forwards), rows, seqs, seconds, forwards=tuple(forwards))
             self._draft_live.append(sample)
             bucket = int(rows).bit_length()
             recent = self._draft_measured.get(bucket) or deque(maxlen=self.measured_window)
@@ -477,7 +498,7 @@ class CostModel:
         self._draft_factors.clear()
         self.num_fits += 1
         self._refit_target(search_knee)
-        self._refit_draft()
+        self._refit_draft(search_knee)
 
     def _refit_target(self, search_knee: bool) -> None:
         samples = self._target_anchors + list(self._target_live)
@@ -486,50 +507,75 @@ class CostModel:
         y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
         w0 = self._weights(len(self._target_live), len(self._target_anchors)) / y**2
         p = self.prior_target
+        prior = np.array([p.base, p.per_seq, p.slope_low, p.slope_high, 0.0])
         nonneg = np.array([True, True, True, True, False])
+        max_rows = max(s.num_tokens for s in samples)
+        knee, b = self._fit_with_knee(
+            lambda knee: _target_features(samples, knee),
+            y, w0, prior, nonneg, self.target.knee, max_rows if search_knee else None,
+        )  # fmt: skip
+        self.target = TargetCost(
+            base=float(b[0]),
+            per_seq=float(b[1]),
+            slope_low=float(b[2]),
+            knee=float(knee),
+            slope_high=float(b[3]),
+        )
+        self.calibration_offset = float(b[4])
+
+    def _refit_draft(self, search_knee: bool) -> None:
+        samples = self._draft_anchors + list(self._draft_live)
+        if not samples:
+            return
+        y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
+        w0 = self._weights(len(self._draft_live), len(self._draft_anchors)) / y**2
+        p = self.prior_draft
+        high = p.per_row_above_knee if math.isfinite(p.knee) else p.per_row
+        prior = np.array([p.per_forward, p.per_row, high, p.per_seq, 0.0])
+        nonneg = np.array([True, True, True, True, False])
+        max_rows = max(r for s in samples for r, _ in s.each())
+        knee, b = self._fit_with_knee(
+            lambda knee: _draft_features(samples, knee),
+            y, w0, prior, nonneg, self.draft.knee, max_rows if search_knee else None,
+        )  # fmt: skip
+        self.draft = DraftCost(
+            per_forward=float(b[0]),
+            per_row=float(b[1]),
+            per_seq=float(b[3]),
+            knee=float(knee),
+            per_row_above_knee=float(b[2]),
+        )
+        self.draft_calibration_offset = float(b[4])
+
+    def _fit_with_knee(
+        self,
+        features: Callable[[float], np.ndarray],
+        y: np.ndarray,
+        w0: np.ndarray,
+        prior: np.ndarray,
+        nonneg: np.ndarray,
+        knee: float,
+        search_below: float | None,
+    ) -> tuple[float, np.ndarray]:
+        """Weighted relative least squares (one Huber pass) at ``knee``; with ``search_below``,
+        also at every grid knee under it (a knee past every sample is the same line), moving the
+        knee only for a clear gain so that it does not wander on noise. Returns (knee, coefs)."""
 
         def fit(knee: float) -> tuple[np.ndarray, float]:
-            x = _target_features(samples, knee)
-            prior = np.array([p.base, p.per_seq, p.slope_low, p.slope_high, 0.0])
+            x = features(knee)
             b, _ = fit_nonneg_ridge(x, y, w0, prior, self.ridge, nonneg)
             w = _huber_weights((y - x @ b) / y, w0)
             return fit_nonneg_ridge(x, y, w, prior, self.ridge, nonneg)
 
-        knee = self.target.knee
         best_b, best_sse = fit(knee)
-        if search_knee:
-            max_n = max(s.num_tokens for s in samples)
+        if search_below is not None:
             for cand in KNEE_GRID:
-                if cand == knee or cand >= max_n:
-                    continue  # a knee past every sample is the same line as the current fit
+                if cand == knee or cand >= search_below:
+                    continue
                 b, sse = fit(cand)
-                # Move the knee only for a clear gain, so it does not wander on noise.
                 if sse < 0.98 * best_sse:
                     knee, best_b, best_sse = cand, b, sse
-        self.target = TargetCost(
-            base=float(best_b[0]),
-            per_seq=float(best_b[1]),
-            slope_low=float(best_b[2]),
-            knee=float(knee),
-            slope_high=float(best_b[3]),
-        )
-        self.calibration_offset = float(best_b[4])
-
-    def _refit_draft(self) -> None:
-        samples = self._draft_anchors + list(self._draft_live)
-        if not samples:
-            return
-        x = _draft_features(samples)
-        y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
-        w0 = self._weights(len(self._draft_live), len(self._draft_anchors)) / y**2
-        p = self.prior_draft
-        prior = np.array([p.per_forward, p.per_row, p.per_seq, 0.0])
-        nonneg = np.array([True, True, True, False])
-        b, _ = fit_nonneg_ridge(x, y, w0, prior, self.ridge, nonneg)
-        w = _huber_weights((y - x @ b) / y, w0)
-        b, _ = fit_nonneg_ridge(x, y, w, prior, self.ridge, nonneg)
-        self.draft = DraftCost(per_forward=float(b[0]), per_row=float(b[1]), per_seq=float(b[2]))
-        self.draft_calibration_offset = float(b[3])
+        return knee, best_b
 
     def to_dict(self) -> dict[str, float]:
         t, d = self.target, self.draft
@@ -542,5 +588,7 @@ class CostModel:
             "draft_per_forward_s": d.per_forward,
             "draft_per_row_s": d.per_row,
             "draft_per_seq_s": d.per_seq,
+            "draft_knee_rows": d.knee if math.isfinite(d.knee) else 0.0,
+            "draft_per_row_above_knee_s": d.per_row_above_knee,
             "num_observations": float(self.num_observations),
         }

@@ -18,14 +18,17 @@ time), so that relative margins read as a share of one ordinary step's output.
 
 E_i is sequence i's expected committed tokens (see ``acceptance``), T the target step time for
 that many rows, D the draft time. With a draft model, drafting runs one forward per position up to
-max_i k_i; forward j carries the sequences with k_i > j, and the first forward also catches each
-drafting sequence up on the tokens its draft has not seen. So::
+max_i k_i; forward j carries the n_j sequences with k_i > j, one row each, except that the first
+forward reads each drafting sequence's usual one or two rows (rows_0 in all). So::
 
-    D = K * per_forward + per_row * (rows_0 + sum_i k_i - #drafting) + per_seq * sum_i k_i
+    D = sum_{j < K} D_fwd(rows_j, n_j) + sum_{i drafting} C_i
 
-with K = max_i k_i, and D = 0 when every k_i = 0 (no draft forward runs at all). A lookup proposer
+with K = max_i k_i, rows_j = n_j for j > 0, and D = 0 when every k_i = 0 (no draft forward runs at
+all). C_i is what sequence i's draft catching up on the tokens it has not seen (a prompt, or all
+that was decoded plainly since it last drafted) is charged to this step, priced by the caller: such
+rows are compute-bound, dearer than decode rows, and bought once for many steps. A lookup proposer
 (n-gram) is costed as a single pseudo-forward of sum_i k_i rows. Every term only needs the counts
-(sum k, #drafting, rows_0, histogram of k), so changing one k_i re-evaluates in O(1): the search is
+(histogram of k, rows_0, sum of C_i), so changing one k_i re-evaluates in O(k_max): the search is
 coordinate ascent from a few starting points (the held decision, all off, every uniform k), each
 sequence in turn moved to its best k given the others, until no move helps.
 """
@@ -43,8 +46,9 @@ class SeqTerms:
     """What the objective needs about one decode-ready sequence."""
 
     gains: list[float]  # E(0), ..., E(k_allowed): expected committed tokens per k
-    catchup_rows: float  # rows the first draft forward spends on it (amortised; >= 1)
+    catchup_rows: float  # rows the first draft forward spends on it (>= 1)
     fixed_k: int | None = None  # forced ('on', 'off', probe); None = free to choose
+    catchup_s: float = 0.0  # seconds charged to this step for its draft's catch-up, if it drafts
 
     @property
     def max_k(self) -> int:
@@ -88,49 +92,50 @@ class BatchGoodput:
         self.hist[0] = len(self.terms)
         self.sum_gain = float(sum(t.gains[0] for t in self.terms))
         self.sum_k = 0
-        self.num_drafting = 0
         self.rows0 = 0.0
+        self.catchup_s = 0.0
 
     # ---- evaluation -------------------------------------------------------------------------
-    def _draft_time(self, max_k: int, sum_k: int, num_drafting: int, rows0: float) -> float:
+    def _draft_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
+        num_drafting = len(self.terms) - hist[0]
         if num_drafting == 0:
             return 0.0
         d = self._draft
         if not self.per_position_forwards:  # one forward drafts every position at once
-            return d.forwards(1, sum_k, num_drafting) * self.cost.draft_factor(sum_k)
-        # max_k forwards: the first reads each drafting sequence's catch-up rows, every later
-        # one a row per sequence still drafting; sum_k (sequence, forward) pairs in all.
-        rows = rows0 + sum_k - num_drafting
-        return d.forwards(max_k, rows, sum_k) * self.cost.draft_factor(rows)
+            return d(sum_k, num_drafting) * self.cost.draft_factor(sum_k) + catchup_s
+        # One forward per position: the first reads rows0, forward j a row per sequence with
+        # k > j.
+        forwards, still = [], num_drafting
+        for j in range(self.k_max):
+            if still == 0:
+                break
+            forwards.append((rows0 if j == 0 else still, still))
+            still -= hist[j + 1]
+        fit = sum(d(rows, seqs) for rows, seqs in forwards)
+        return fit * self.cost.draft_factor(sum(rows for rows, _ in forwards)) + catchup_s
 
-    def _added_time(self, sum_k: int, max_k: int, drafting: int, rows0: float) -> float:
+    def _added_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
         """Seconds the decodes add to the step (the whole step when it carries no prefill)."""
         n = self.extra_tokens + len(self.terms) + sum_k
         t = self._target(n, self.num_seqs) - self._prefill_alone
-        return max(t + self._draft_time(max_k, sum_k, drafting, rows0), 1e-9)
+        return max(t + self._draft_time(hist, sum_k, rows0, catchup_s), 1e-9)
 
-    def _value(self, sum_gain: float, sum_k: int, max_k: int, drafting: int, rows0: float) -> float:
-        t = self._added_time(sum_k, max_k, drafting, rows0)
+    def _value(
+        self, sum_gain: float, hist: list[int], sum_k: int, rows0: float, catchup_s: float
+    ) -> float:
+        t = self._added_time(hist, sum_k, rows0, catchup_s)
         if self._time_price is None:
             return sum_gain / t
         return self._time_price + (sum_gain - self._time_price * t) / self._time_scale
 
-    def _max_k(self, hist: list[int]) -> int:
-        for k in range(self.k_max, 0, -1):
-            if hist[k]:
-                return k
-        return 0
-
     def value(self) -> float:
         """The objective for the current assignment: predicted committed tokens per second (on
         that scale, net of the added time's value, when the step carries prefill)."""
-        return self._value(
-            self.sum_gain, self.sum_k, self._max_k(self.hist), self.num_drafting, self.rows0
-        )
+        return self._value(self.sum_gain, self.hist, self.sum_k, self.rows0, self.catchup_s)
 
     def step_time(self) -> float:
         """Predicted seconds of the whole step (prefill chunks included) for the assignment."""
-        added = self._added_time(self.sum_k, self._max_k(self.hist), self.num_drafting, self.rows0)
+        added = self._added_time(self.hist, self.sum_k, self.rows0, self.catchup_s)
         return added + self._prefill_alone
 
     def tokens_per_s(self) -> float:
@@ -144,14 +149,15 @@ class BatchGoodput:
             return self.value()
         t = self.terms[i]
         sum_gain = self.sum_gain - t.gains[old] + t.gains[k]
-        drafting = self.num_drafting - (old > 0) + (k > 0)
-        rows0 = self.rows0 - t.catchup_rows * (old > 0) + t.catchup_rows * (k > 0)
+        moved = (k > 0) - (old > 0)
+        rows0 = self.rows0 + t.catchup_rows * moved
+        catchup_s = self.catchup_s + t.catchup_s * moved
         self.hist[old] -= 1
         self.hist[k] += 1
-        max_k = self._max_k(self.hist)
+        v = self._value(sum_gain, self.hist, self.sum_k - old + k, rows0, catchup_s)
         self.hist[k] -= 1
         self.hist[old] += 1
-        return self._value(sum_gain, self.sum_k - old + k, max_k, drafting, rows0)
+        return v
 
     # ---- mutation ---------------------------------------------------------------------------
     def set(self, i: int, k: int) -> None:
@@ -160,8 +166,9 @@ class BatchGoodput:
             return
         t = self.terms[i]
         self.sum_gain += t.gains[k] - t.gains[old]
-        self.num_drafting += (k > 0) - (old > 0)
-        self.rows0 += t.catchup_rows * ((k > 0) - (old > 0))
+        moved = (k > 0) - (old > 0)
+        self.rows0 += t.catchup_rows * moved
+        self.catchup_s += t.catchup_s * moved
         self.sum_k += k - old
         self.hist[old] -= 1
         self.hist[k] += 1
