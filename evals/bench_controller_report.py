@@ -3,10 +3,17 @@
 Targets checked per point: adaptive within 5% of the best of plain / fixed-k throughput; adaptive
 never more than 3% slower than plain; at concurrency 1 on code, adaptive at least as fast as the
 best fixed k.
+
+Results of several runs (a sweep split into parts, each point measured once) merge into one
+report::
+
+    python -m evals.bench_controller_report --out docs/results/controller/sweep part1.json part2.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -158,3 +165,48 @@ def write_plot(path: Path, rows: list[dict]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def merge_results(parts: list[dict]) -> tuple[dict, list[dict]]:
+    """One (meta, rows) from several runs' results; a point measured twice is refused (which
+    run's would be the result is a choice the report must not make silently)."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    rows: list[dict] = []
+    seen: set[tuple[str, int, str]] = set()
+    for part in parts:
+        for r in part["results"]:
+            key = (r["workload"], r["concurrency"], r["arm"])
+            if key in seen:
+                raise ValueError(f"{key[0]} c={key[1]} {key[2]} is in more than one part")
+            seen.add(key)
+            rows.append(r)
+    metas = [p["meta"] for p in parts]
+    for field in ("model", "draft_model", "max_tokens", "repeats"):
+        if len({str(m.get(field)) for m in metas}) > 1:
+            raise ValueError(f"the parts differ in {field}: not one benchmark")
+    meta = {
+        **metas[0],
+        "command": "`; `".join(m["command"] for m in metas),
+        "concurrency": sorted({c for m in metas for c in m["concurrency"]}),
+        "total_seconds": sum(m["total_seconds"] for m in metas),
+    }
+    meta.pop("controller_final", None)  # each part's own controller ended differently
+    return meta, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Merge bench_controller results into one report.")
+    ap.add_argument("parts", nargs="+", type=Path, help="results JSON files")
+    ap.add_argument("--out", type=Path, required=True, help="path stem for .json, .md and .png")
+    args = ap.parse_args(argv)
+    meta, rows = merge_results([json.loads(p.read_text()) for p in args.parts])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    write_markdown(args.out.with_suffix(".md"), meta, rows)
+    write_plot(args.out.with_suffix(".png"), rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs
-from evals.bench_controller_report import round_ratios
+from evals.bench_controller_report import main as report_main
+from evals.bench_controller_report import merge_results, round_ratios
 from evals.controller_trace import summarize, wall_time_table
 
 
@@ -157,3 +158,46 @@ def test_wall_time_table_splits_each_run_by_step_kind() -> None:
     # Medians over the three runs: full batch 1.5 s (3 steps), one sequence 0.25 s, prefill
     # 0.75 s, and between steps the median of wall - steps: 3-2.0, 5-2.5, 4-3.0 = 1.0, 2.5, 1.0.
     assert rows == ["| open | 2 | a | 3 | 4.0 | 1.5 (3) | 0.2 (1) | 0.8 (2) | 1.00 |"]
+
+
+def _part(workload: str, concurrency: list[int], repeats: int = 3) -> dict:
+    meta = dict(
+        command=f"python -m evals.bench_controller --workloads {workload}",
+        model="t", draft_model="d", max_tokens=64, repeats=repeats,
+        concurrency=concurrency, total_seconds=100.0, controller_final={"mean_k": 1.0},
+    )  # fmt: skip
+    rows = []
+    for c in concurrency:
+        for arm, tp in (("plain", 10.0), ("fixed-k2", 9.0), ("fixed-k4", 8.0), ("adaptive", 9.9)):
+            rows.append(
+                dict(
+                    workload=workload, concurrency=c, arm=arm, throughput_tok_s=tp,
+                    tpot_median_ms=100.0, tpot_p99_ms=120.0, mean_k=0.5,
+                    speculating_fraction=0.2, acceptance_rate=0.6, throughput_runs=[tp] * 3,
+                )
+            )  # fmt: skip
+    return {"meta": meta, "results": rows}
+
+
+def test_parts_of_a_sweep_merge_into_one_report(tmp_path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_part("code", [1, 16])))
+    b.write_text(json.dumps(_part("open", [4])))
+    assert report_main([str(a), str(b), "--out", str(tmp_path / "all")]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert len(merged["results"]) == 12
+    assert merged["meta"]["total_seconds"] == 200.0 and merged["meta"]["concurrency"] == [1, 4, 16]
+    assert "controller_final" not in merged["meta"]
+    md = (tmp_path / "all.md").read_text()
+    assert "--workloads code`; `python -m evals.bench_controller --workloads open" in md
+    assert "## code" in md and "## open" in md and "A✓ B✓" in md
+    assert (tmp_path / "all.png").stat().st_size > 0
+
+
+def test_merging_refuses_a_point_measured_twice_or_parts_of_different_benchmarks() -> None:
+    with pytest.raises(ValueError, match="code c=1 plain is in more than one part"):
+        merge_results([_part("code", [1, 2]), _part("code", [1])])
+    with pytest.raises(ValueError, match="differ in repeats"):
+        merge_results([_part("code", [1]), _part("open", [1], repeats=5)])
+    with pytest.raises(ValueError, match="nothing to merge"):
+        merge_results([])
