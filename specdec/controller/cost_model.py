@@ -504,15 +504,13 @@ class CostModel:
         samples = self._target_anchors + list(self._target_live)
         if not samples:
             return
-        y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
-        w0 = self._weights(len(self._target_live), len(self._target_anchors)) / y**2
         p = self.prior_target
-        prior = np.array([p.base, p.per_seq, p.slope_low, p.slope_high, 0.0])
-        nonneg = np.array([True, True, True, True, False])
         max_rows = max(s.num_tokens for s in samples)
         knee, b = self._fit_with_knee(
             lambda knee: _target_features(samples, knee),
-            y, w0, prior, nonneg, self.target.knee, max_rows if search_knee else None,
+            samples, len(self._target_anchors),
+            np.array([p.base, p.per_seq, p.slope_low, p.slope_high, 0.0]),
+            self.target.knee, max_rows if search_knee else None,
         )  # fmt: skip
         self.target = TargetCost(
             base=float(b[0]),
@@ -527,16 +525,14 @@ class CostModel:
         samples = self._draft_anchors + list(self._draft_live)
         if not samples:
             return
-        y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
-        w0 = self._weights(len(self._draft_live), len(self._draft_anchors)) / y**2
         p = self.prior_draft
         high = p.per_row_above_knee if math.isfinite(p.knee) else p.per_row
-        prior = np.array([p.per_forward, p.per_row, high, p.per_seq, 0.0])
-        nonneg = np.array([True, True, True, True, False])
         max_rows = max(r for s in samples for r, _ in s.each())
         knee, b = self._fit_with_knee(
             lambda knee: _draft_features(samples, knee),
-            y, w0, prior, nonneg, self.draft.knee, max_rows if search_knee else None,
+            samples, len(self._draft_anchors),
+            np.array([p.per_forward, p.per_row, high, p.per_seq, 0.0]),
+            self.draft.knee, max_rows if search_knee else None,
         )  # fmt: skip
         self.draft = DraftCost(
             per_forward=float(b[0]),
@@ -550,16 +546,21 @@ class CostModel:
     def _fit_with_knee(
         self,
         features: Callable[[float], np.ndarray],
-        y: np.ndarray,
-        w0: np.ndarray,
+        samples: Sequence[TargetSample | DraftSample],
+        num_anchors: int,
         prior: np.ndarray,
-        nonneg: np.ndarray,
         knee: float,
         search_below: float | None,
     ) -> tuple[float, np.ndarray]:
-        """Weighted relative least squares (one Huber pass) at ``knee``; with ``search_below``,
-        also at every grid knee under it (a knee past every sample is the same line), moving the
-        knee only for a clear gain so that it does not wander on noise. Returns (knee, coefs)."""
+        """Weighted relative least squares (one Huber pass) of ``samples`` (calibration anchors
+        first) at ``knee``; with ``search_below``, also at every grid knee under it (a knee past
+        every sample is the same line), moving the knee only for a clear gain so that it does not
+        wander on noise. Every coefficient is non-negative but the last (the calibration offset).
+        Returns (knee, coefficients)."""
+        y = np.maximum(np.array([s.seconds for s in samples], dtype=np.float64), _MIN_TIME)
+        w0 = self._weights(len(samples) - num_anchors, num_anchors) / y**2
+        nonneg = np.ones(len(prior), dtype=bool)
+        nonneg[-1] = False
 
         def fit(knee: float) -> tuple[np.ndarray, float]:
             x = features(knee)

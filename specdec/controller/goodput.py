@@ -105,14 +105,14 @@ class BatchGoodput:
             return d(sum_k, num_drafting) * self.cost.draft_factor(sum_k) + catchup_s
         # One forward per position: the first reads rows0, forward j a row per sequence with
         # k > j.
-        forwards, still = [], num_drafting
-        for j in range(self.k_max):
+        fit, rows, still = d(rows0, num_drafting), rows0, num_drafting - hist[1]
+        for j in range(2, self.k_max + 1):
             if still == 0:
                 break
-            forwards.append((rows0 if j == 0 else still, still))
-            still -= hist[j + 1]
-        fit = sum(d(rows, seqs) for rows, seqs in forwards)
-        return fit * self.cost.draft_factor(sum(rows for rows, _ in forwards)) + catchup_s
+            fit += d(still, still)
+            rows += still
+            still -= hist[j]
+        return fit * self.cost.draft_factor(rows) + catchup_s
 
     def _added_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
         """Seconds the decodes add to the step (the whole step when it carries no prefill)."""
