@@ -41,6 +41,7 @@ HELP = {
     "seed": "engine seed for requests without their own",
     "num_threads": "torch CPU threads (default: torch's choice)",
     "controller_warmup": "time a few plain and verify steps at start-up to seed the cost model",
+    "enforce_eager": "never capture CUDA graphs (they need CUDA and the FlashInfer backend)",
 }
 
 CHOICES = {

@@ -18,8 +18,11 @@ next replay of the same graph overwrites: copy what must outlive it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +34,41 @@ from engine.attention.flashinfer_backend import (
 )
 from engine.models.decoder import DecoderLM
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def num_scratch_blocks(max_q_len: int, page_size: int) -> int:
+    """Blocks a padding row of ``max_q_len`` tokens needs (kept out of the allocator)."""
+    return -(-max_q_len // page_size)
+
+
+def graph_bucket(
+    entries: Sequence[Any], captured: Iterable[tuple[int, int]], max_tokens_per_seq: int
+) -> int | None:
+    """The captured batch bucket a runner's batch replays in, or None to run it eagerly.
+
+    ``entries`` have ``token_ids``, ``start_pos`` and ``num_logits`` (`RunEntry`). A batch fits
+    when every sequence feeds the same number of tokens and wants logits for all of them (plain
+    decodes, uniform verifies, one-token draft steps), some captured (bucket, q_len) holds it,
+    and no sequence outgrows the graph's page budget. Prompt chunks, verifies of mixed length
+    and long draft catch-ups run eagerly.
+    """
+    if not entries:
+        return None
+    q_len = len(entries[0].token_ids)
+    if any(len(e.token_ids) != q_len or e.num_logits != q_len for e in entries):
+        return None
+    if any(e.start_pos + q_len > max_tokens_per_seq for e in entries):
+        return None
+    fits = [b for b, q in captured if q == q_len and b >= len(entries)]
+    return min(fits) if fits else None
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The default buckets up to ``max_num_seqs``; larger batches run eagerly."""
+    return [b for b in DEFAULT_BATCH_BUCKETS if b <= max_num_seqs] or [1]
 
 
 @dataclass
@@ -78,6 +115,7 @@ class GraphedForward:
     # ---- capture ----------------------------------------------------------------------------
     def capture(self, batch_sizes: Sequence[int], q_lens: Sequence[int]) -> None:
         """Capture every (batch size, q_len) pair; largest first so smaller ones reuse memory."""
+        start = time.perf_counter()
         if len(self.scratch_blocks) * self.page_size < max(q_lens):
             raise ValueError(
                 f"{len(self.scratch_blocks)} scratch blocks of {self.page_size} slots cannot "
@@ -87,6 +125,13 @@ class GraphedForward:
             for batch_size in sorted(set(batch_sizes), reverse=True):
                 if (batch_size, q_len) not in self._captures:
                     self._captures[(batch_size, q_len)] = self._capture_one(batch_size, q_len)
+        logger.info(
+            "captured %d CUDA graphs (batch %s x q_len %s) in %.1f s",
+            len(self._captures),
+            sorted(set(batch_sizes)),
+            sorted(set(q_lens)),
+            time.perf_counter() - start,
+        )
 
     def _capture_one(self, batch_size: int, q_len: int) -> _Capture:
         rows = batch_size * q_len
@@ -124,6 +169,11 @@ class GraphedForward:
         return model.lm_head(model.norm(x)).float()
 
     # ---- replay -----------------------------------------------------------------------------
+    def accepts(self, entries: Sequence[Any]) -> bool:
+        """Whether a runner's batch can replay one of this model's graphs (`graph_bucket`)."""
+        limit = self.max_pages_per_seq * self.page_size
+        return graph_bucket(entries, self._captures.keys(), limit) is not None
+
     def bucket_for(self, batch_size: int, q_len: int) -> int | None:
         """Smallest captured batch size >= batch_size for this q_len, or None."""
         fits = [b for (b, q) in self._captures if q == q_len and b >= batch_size]

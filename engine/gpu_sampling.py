@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.sampling import RowContext, compute_probs, sample
+from engine.sampling import RowContext, apply_penalties, compute_probs, sample
 from engine.sampling_params import SamplingParams
 from specdec.rejection_sampler import RejectionResult, rejection_sample
 
@@ -166,15 +166,20 @@ _kernels_cache: dict[str, SamplingKernels | None] = {}
 
 
 def flashinfer_sampling_kernels(device: torch.device) -> SamplingKernels | None:
-    """FlashInfer kernels when `device` is CUDA and flashinfer imports, else None (reference path);
-    one log line when CUDA is present but FlashInfer is not usable."""
+    """FlashInfer kernels when `device` is CUDA and they work there, else None (reference path);
+    one log line when CUDA is present but FlashInfer is not usable.
+
+    "Work" is checked by one tiny call of each kernel at start-up (the first call JIT-compiles
+    the sampling module), so a broken build falls back here rather than failing a request."""
     key = str(device)
     if key not in _kernels_cache:
         kernels: SamplingKernels | None = None
         if device.type == "cuda" and torch.cuda.is_available():
             try:
                 kernels = FlashInferKernels()
+                _smoke_test(kernels, device)
             except Exception as exc:
+                kernels = None
                 logger.info(
                     "FlashInfer sampling unavailable (%s: %s); using torch sampling",
                     type(exc).__name__,
@@ -184,7 +189,41 @@ def flashinfer_sampling_kernels(device: torch.device) -> SamplingKernels | None:
     return _kernels_cache[key]
 
 
+def _smoke_test(kernels: SamplingKernels, device: torch.device) -> None:
+    """Every kernel once on a 2 x 8 batch whose answers are forced (one-hot distributions)."""
+    probs = torch.zeros(2, 8, device=device)
+    probs[0, 3] = probs[1, 5] = 1.0
+    if kernels.sample(probs, None).tolist() != [3, 5]:
+        raise RuntimeError("sampling kernel returned the wrong token for a one-hot row")
+    ids, accepted = kernels.chain(
+        probs[:, None],
+        torch.tensor([[3], [5]], device=device),
+        probs[:, None].expand(2, 2, 8),
+        None,
+    )
+    if accepted.tolist() != [1, 1] or ids[:, 0].tolist() != [3, 5]:
+        raise RuntimeError("chain_speculative_sampling rejected drafts with p == q one-hot")
+    kernels.top_k_renorm(probs, torch.full((2,), 2, dtype=torch.int32, device=device))
+    kernels.top_p_renorm(probs, torch.full((2,), 0.5, device=device))
+
+
 # ---- the three operations -------------------------------------------------------------------
+def probs_for_rows(
+    logits: torch.Tensor,  # [B, V], not modified
+    rows: Sequence[RowContext],
+    kernels: SamplingKernels | None = None,
+) -> torch.Tensor:  # [B, V] float32
+    """`engine.sampling.compute_probs` (penalties, then the warp) with the warp on `kernels`."""
+    if kernels is None:
+        return compute_probs(logits, rows)
+    if len(rows) != logits.shape[0]:
+        raise ValueError(f"got {len(rows)} row contexts for {logits.shape[0]} logits rows")
+    x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    if len(rows):
+        apply_penalties(x, rows)
+    return warp_probs(x, [r.params for r in rows], kernels)
+
+
 def warp_probs(
     logits: torch.Tensor,  # [B, V] penalised logits, any float dtype
     params: Sequence[SamplingParams],

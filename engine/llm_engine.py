@@ -10,21 +10,23 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.attention import create_backend
+from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
+from engine.cuda_graphs import GraphedForward, batch_buckets, num_scratch_blocks
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from engine.gpu_sampling import flashinfer_sampling_kernels, probs_for_rows, verify_drafts
 from engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
 from engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner, RunEntry
 from engine.outputs import OutputState, RequestOutput, append_and_check, make_output
-from engine.sampling import RowContext, compute_probs, make_generator
+from engine.sampling import RowContext, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence, SequenceStatus, SpecStats
 from specdec.controller import build_controller
 from specdec.controller_base import SeqOutcome, StepObservation
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
-from specdec.rejection_sampler import rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,13 @@ class LLMEngine:
                 f"sequence of max_model_len={self.max_model_len}: raise --kv-cache-memory or "
                 f"lower --max-model-len"
             )
+        # CUDA graphs pad batches with rows that write only to scratch blocks: the pools hold
+        # them past the allocator's last block id, so no sequence is ever given one.
+        graph_q_lens = list(range(1, k_max + 2))
+        self._num_scratch = 0
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._num_scratch = num_scratch_blocks(max(graph_q_lens), config.page_size)
+        self._num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.allocator,
@@ -71,10 +80,17 @@ class LLMEngine:
             self.max_model_len,
             config.scheduling_policy,
         )
-        self.target_runner = self._make_runner(self.target, num_blocks)
+        self.target_runner = self._make_runner(self.target, graph_q_lens)
+        # FlashInfer's sampling kernels ride with its attention (same build, same start-up
+        # checks); everywhere else the torch reference samples, with the same semantics.
+        self.sampling_kernels = None
+        if isinstance(self.target_runner.backend, FlashInferAttentionBackend):
+            self.sampling_kernels = flashinfer_sampling_kernels(self.device)
         self.proposer: Proposer | None = None
         if config.speculative_method == "draft_model":
-            self.proposer = DraftModelProposer(self._make_runner(self.draft, num_blocks))
+            # Draft steps feed one token, or two when catching up after a fully accepted verify.
+            runner = self._make_runner(self.draft, [1, 2])
+            self.proposer = DraftModelProposer(runner, self.sampling_kernels)
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)
         self.controller = build_controller(config, self)
@@ -112,9 +128,10 @@ class LLMEngine:
             budget = int(self.config.kv_cache_memory * GIB)
         return num_blocks_for_budget(archs, self.config.page_size, self.dtype, budget)
 
-    def _make_runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
-        arch = loaded.arch
-        kv = allocate_model_kv(arch, num_blocks, self.config.page_size, self.dtype, self.device)
+    def _make_runner(self, loaded: LoadedModel, graph_q_lens: list[int]) -> ModelRunner:
+        arch, page = loaded.arch, self.config.page_size
+        total_blocks = self._num_blocks + self._num_scratch
+        kv = allocate_model_kv(arch, total_blocks, page, self.dtype, self.device)
         backend = create_backend(
             self.config.attention_backend,
             arch.num_attention_heads,
@@ -122,7 +139,22 @@ class LLMEngine:
             arch.head_dim,
             self.device,
         )
-        return ModelRunner(loaded.model, kv, backend, self.config.page_size)
+        graphed = None
+        if isinstance(backend, FlashInferAttentionBackend):
+            backend.dtype = self.dtype  # plan kernels in plan(), not at the first layer
+            if self._num_scratch:
+                k_max = max(graph_q_lens) - 1
+                graphed = GraphedForward(
+                    loaded.model,
+                    kv.layers,
+                    backend,
+                    page,
+                    max_pages_per_seq=-(-(self.max_model_len + k_max + 1) // page),
+                    scratch_blocks=range(self._num_blocks, total_blocks),
+                    dtype=self.dtype,
+                )
+                graphed.capture(batch_buckets(self.config.max_num_seqs), graph_q_lens)
+        return ModelRunner(loaded.model, kv, backend, page, graphed)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -300,7 +332,7 @@ class LLMEngine:
             out = seq.output_token_ids
             for j in range(e.num_logits):
                 rows.append(RowContext(seq.params, seq.prompt_token_ids, out + drafts[:j]))
-        probs = compute_probs(logits, rows)  # [rows, vocab]
+        probs = probs_for_rows(logits, rows, self.sampling_kernels)  # [rows, vocab]
         k_max = max(e.num_logits for _, e in sampling) - 1
         batch, vocab = len(sampling), probs.shape[-1]
         target = probs.new_zeros((batch, k_max + 1, vocab))
@@ -312,7 +344,7 @@ class LLMEngine:
         )
         if need_q:
             draft_probs = probs.new_zeros((batch, max(k_max, 1), vocab))
-        num_drafts = torch.zeros(batch, dtype=torch.int64)
+        num_drafts = [0] * batch
         row = 0
         for b, (s, e) in enumerate(sampling):
             target[b, : e.num_logits] = probs[row : row + e.num_logits]
@@ -327,12 +359,14 @@ class LLMEngine:
                         draft_probs[b, :n] = prop.probs
                     else:  # one-hot q for this sequence's drafts
                         draft_probs[b, torch.arange(n), draft_ids[b, :n]] = 1.0
-        result = rejection_sample(
+        result = verify_drafts(
             target,
             draft_ids[:, :k_max] if k_max else draft_ids[:, :0],
             draft_probs[:, :k_max] if draft_probs is not None and k_max else None,
             num_drafts,
+            [s.seq.params.greedy for s, _ in sampling],
             [s.seq.generator for s, _ in sampling],
+            self.sampling_kernels,
         )
         out_ids = result.output_token_ids.tolist()
         counts = result.num_accepted.tolist()

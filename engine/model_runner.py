@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from engine.attention.base import AttentionBackend, build_attention_metadata
 from engine.kv_cache import ModelKV
 from engine.models.decoder import DecoderLM
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import GraphedForward
 
 
 @dataclass
@@ -24,16 +28,23 @@ class RunEntry:
 
 
 class ModelRunner:
-    """One model, its KV pages and its attention backend."""
+    """One model, its KV pages and its attention backend; optionally its captured CUDA graphs."""
 
     def __init__(
-        self, model: DecoderLM, kv: ModelKV, backend: AttentionBackend, page_size: int
+        self,
+        model: DecoderLM,
+        kv: ModelKV,
+        backend: AttentionBackend,
+        page_size: int,
+        graphed: GraphedForward | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.backend = backend
         self.page_size = page_size
         self.device = backend.device
+        self.graphed = graphed
+        self.num_graph_runs = 0  # observable: how many forwards replayed a graph
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +52,16 @@ class ModelRunner:
 
     def run(self, entries: Seq[RunEntry]) -> torch.Tensor:
         """One forward over every entry; logits [sum(num_logits), vocab] in entry order."""
+        if self.graphed is not None and self.graphed.accepts(entries):
+            self.num_graph_runs += 1
+            logits = self.graphed.run(
+                [e.token_ids for e in entries],
+                [e.start_pos for e in entries],
+                [e.seq.block_table for e in entries],
+            )
+            # The graph's output buffer is overwritten by its next replay (the draft's next
+            # step, say) while callers may still hold these rows: hand out a copy.
+            return logits.clone()
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []

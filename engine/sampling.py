@@ -71,7 +71,7 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Ten
     x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [N, vocab]
     if num_rows == 0:
         return x
-    _apply_penalties(x, rows)
+    apply_penalties(x, rows)
 
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -92,7 +92,7 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Ten
     return probs
 
 
-def _apply_penalties(x: torch.Tensor, rows: Sequence[RowContext]) -> None:
+def apply_penalties(x: torch.Tensor, rows: Sequence[RowContext]) -> None:
     """Apply repetition, then presence/frequency penalties to ``x`` ([num_rows, vocab]) in place.
 
     Each (row, token) pair is addressed by its flat index ``row * vocab + token`` so that all rows

@@ -27,6 +27,7 @@ import torch
 
 from evals.environment import environment_info
 from evals.gpu_check_context import CheckContext
+from evals.gpu_check_engine import stage_engine_controller
 from evals.gpu_check_models import arch_for
 from evals.gpu_check_parity import (
     stage_attention_parity,
@@ -110,6 +111,7 @@ STAGES: list[tuple[str, Stage, float, bool, bool]] = [
     ("attention_parity", stage_attention_parity, 10, True, False),
     ("step_timing", stage_step_timing, 60, True, False),
     ("e2e", stage_e2e, 40, True, False),
+    ("engine_controller", stage_engine_controller, 60, True, False),
     ("graph_parity", stage_graph_parity, 30, True, True),
     ("sampling_parity", stage_sampling_parity, 20, True, False),
     ("model_parity", stage_model_parity, 60, True, False),
@@ -132,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30, help="timed repetitions per median")
     p.add_argument("--e2e-steps", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--engine-batch", type=int, default=64, help="engine_controller requests")
+    p.add_argument("--engine-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--engine-rounds", type=int, default=2, help="arms interleaved per round")
     p.add_argument("--only", default="", help="comma-separated stage names to run")
     return p.parse_args(argv)
 
@@ -159,6 +164,9 @@ def make_context(args: argparse.Namespace) -> CheckContext:
         iters=2 if smoke else args.iters,
         e2e_steps=2 if smoke else args.e2e_steps,
         page_size=args.page_size,
+        engine_batch=args.engine_batch,
+        engine_tokens=args.engine_tokens,
+        engine_rounds=args.engine_rounds,
         deadline=time.monotonic() + args.budget_s,
     )
 

@@ -30,6 +30,17 @@ else
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+# Kernels compiled by an earlier run (its OUT_DIR/flashinfer_jit.tgz.part-*, carried back in
+# .jitcache/) go where FlashInfer looks for ahead-of-time builds, so they load without a compile.
+jit_cache="${SPECDEC_JIT_CACHE_DIR:-.jitcache}"
+if compgen -G "$jit_cache/flashinfer_jit.tgz.part-*" >/dev/null; then
+  aot="$("$PY" -c 'import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)' 2>/dev/null)"
+  if [ -n "$aot" ]; then
+    mkdir -p "$aot" && cat "$jit_cache"/flashinfer_jit.tgz.part-* | tar -xz -C "$aot" \
+      && echo "restored prebuilt kernels into $aot: $(ls "$aot" | tr '\n' ' ')"
+  fi
+fi
+
 # FlashInfer's JIT calls `ninja` and `nvcc`: put the interpreter's bin folder and the ninja
 # package's binary on PATH, build for this GPU only, with every core.
 bin_dir="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')"
@@ -52,6 +63,14 @@ if [ "$left" -gt 25 ]; then
     >"$out/pytest_gpu.log" 2>&1
   echo "gpu unit tests: exit $? (log in $out/pytest_gpu.log)"
   tail -n 3 "$out/pytest_gpu.log"
+fi
+# Bring the compiled kernels back (NAME/NAME.so per module, split under the 16 MiB file limit)
+# so a later run can skip the JIT build.
+jit_dir="$("$PY" -c 'import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)' 2>/dev/null)"
+if [ -n "$jit_dir" ] && [ -d "$jit_dir" ]; then
+  (cd "$jit_dir" && find . -mindepth 2 -maxdepth 2 -name '*.so' -print0 \
+    | tar -czf - --null -T - | split -b 15M - "$out/flashinfer_jit.tgz.part-")
+  ls -l "$out"/flashinfer_jit.tgz.part-* 2>/dev/null
 fi
 echo "total ${SECONDS}s, check exit ${status}"
 cat "$out/gpu_check_table.txt" 2>/dev/null

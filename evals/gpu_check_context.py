@@ -31,6 +31,9 @@ class CheckContext:
     iters: int
     e2e_steps: int
     page_size: int
+    engine_batch: int
+    engine_tokens: int
+    engine_rounds: int
     deadline: float  # time.monotonic() after which stages are skipped
     started: float = field(default_factory=time.monotonic)
     results: dict[str, Any] = field(default_factory=dict)

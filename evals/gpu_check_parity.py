@@ -322,6 +322,8 @@ def stage_engine_greedy(ctx: CheckContext) -> dict[str, Any]:
             "identical": len(prompts) - len(mismatches),
             "acceptance_rate": engine.spec_stats.acceptance_rate,
             "mismatches": mismatches,
+            "graph_runs": engine.target_runner.num_graph_runs,
+            "sampling_kernels": type(engine.sampling_kernels).__name__,
         }
         # A divergence at a logit gap under 0.1 (bf16 logits of size ~10 carry ~0.05 of noise)
         # is a near-tie flipped by rounding; a larger gap means speculation changed the output.

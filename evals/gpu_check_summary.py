@@ -4,8 +4,8 @@ Targets (issue 7; random weights, 7B-class target, 0.5B-class draft, bf16):
   batch-1 plain decode step <= 1.3 x the HBM roofline (weight + KV bytes / measured bandwidth);
   a 5-row verify step (k = 4) <= 1.15 x a plain decode step at batch 1;
   time per output token with oracle acceptance 0.8 at batch 1 >= 2 x better than plain;
-  the adaptive controller keeps batch-64 throughput within 3% of plain (needs the controller in
-  the engine loop: reported here only as the oracle-best k, which bounds what it can reach).
+  the adaptive controller keeps batch-64 throughput within 3% of plain (engine_controller: the
+  whole engine loop, random draft, so acceptance is near 0 and speculation cannot pay).
 """
 
 from __future__ import annotations
@@ -62,6 +62,16 @@ def summarize(results: dict[str, Any]) -> list[Row]:
     for label, res in _stage(results, "engine_greedy").get("runs", {}).items():
         value = f"{res['identical']}/{res['requests']} identical"
         add(f"greedy spec == plain ({label})", value, "all, or near-ties", res["pass"])
+    eng = _stage(results, "engine_controller")
+    if eng:
+        name = f"engine batch {eng['batch']}: adaptive / plain tok/s"
+        add(name, eng["adaptive_vs_plain"], ">= 0.97", eng["pass"])
+        add(
+            f"engine batch {eng['batch']}: fixed k=4 / plain tok/s",
+            eng["fixed_k_vs_plain"],
+            "info",
+            None,
+        )
     _timing_rows(results, add)
     return rows
 

@@ -8,8 +8,9 @@ from typing import Protocol
 
 import torch
 
+from engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_probs
 from engine.model_runner import ModelRunner, RunEntry
-from engine.sampling import RowContext, compute_probs, sample
+from engine.sampling import RowContext
 from engine.scheduler import ScheduledSeq
 from specdec.ngram import propose_ngram
 
@@ -67,8 +68,9 @@ class DraftModelProposer:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, kernels: SamplingKernels | None = None) -> None:
         self.runner = runner
+        self.kernels = kernels  # batched sampling kernels (FlashInfer on CUDA) or the reference
         self.num_forwards = 0  # observable: tests assert the draft did not run when k = 0
         self.last_forwards: list[tuple[int, int]] = []
 
@@ -98,8 +100,13 @@ class DraftModelProposer:
                 )
                 for i in active
             ]
-            p = compute_probs(logits, rows)
-            drawn = sample(p, [items[i].seq.generator for i in active]).tolist()
+            p = probs_for_rows(logits, rows, self.kernels)
+            drawn = sample_from_probs(
+                p,
+                [items[i].seq.params.greedy for i in active],
+                [items[i].seq.generator for i in active],
+                self.kernels,
+            ).tolist()
             for row, i in enumerate(active):
                 seq = items[i].seq
                 tokens[i].append(drawn[row])

@@ -214,17 +214,17 @@ def test_sampled_speculative_output_follows_the_target_distribution():
         if always_accept:
             import engine.llm_engine as le
 
-            original = le.rejection_sample
+            original = le.verify_drafts
 
-            def accept_all(target_probs, draft_ids, draft_probs, num_drafts, gens):
-                res = original(target_probs, draft_ids, draft_probs, num_drafts, gens)
+            def accept_all(target_probs, draft_ids, draft_probs, num_drafts, *rest):
+                res = original(target_probs, draft_ids, draft_probs, num_drafts, *rest)
                 for b in range(len(num_drafts)):
                     k = int(num_drafts[b])
                     res.output_token_ids[b, :k] = draft_ids[b, :k]
                     res.num_accepted[b] = k
                 return res
 
-            le.rejection_sample = accept_all
+            le.verify_drafts = accept_all
         try:
             params = [
                 SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s)
@@ -233,7 +233,7 @@ def test_sampled_speculative_output_follows_the_target_distribution():
             outs = engine.generate([prompt] * n, params)
         finally:
             if always_accept:
-                le.rejection_sample = original
+                le.verify_drafts = original
         return [tuple(o.output_token_ids) for o in outs]
 
     plain, spec, wrong = run("off"), run("on"), run("on", always_accept=True)

@@ -79,8 +79,10 @@ def make_engine(target_hf, draft_hf=None, **overrides) -> LLMEngine:
     if defaults["speculative_method"] != "draft_model":
         draft_hf = None
     cfg = EngineConfig(**defaults)
-    draft = loaded_from_hf(draft_hf) if draft_hf is not None else None
-    return LLMEngine(cfg, target=loaded_from_hf(target_hf), draft=draft, progress=False)
+    # Weights on the engine's device and dtype (CPU float32 unless a test asks for CUDA).
+    where = (getattr(torch, cfg.dtype), cfg.device)
+    draft = loaded_from_hf(draft_hf, *where) if draft_hf is not None else None
+    return LLMEngine(cfg, target=loaded_from_hf(target_hf, *where), draft=draft, progress=False)
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
