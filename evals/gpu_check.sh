@@ -64,12 +64,16 @@ if [ "$left" -gt 25 ]; then
   echo "gpu unit tests: exit $? (log in $out/pytest_gpu.log)"
   tail -n 3 "$out/pytest_gpu.log"
 fi
-# Bring the compiled kernels back (NAME/NAME.so per module, split under the 16 MiB file limit)
-# so a later run can skip the JIT build.
-jit_dir="$("$PY" -c 'import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)' 2>/dev/null)"
-if [ -n "$jit_dir" ] && [ -d "$jit_dir" ]; then
-  (cd "$jit_dir" && find . -mindepth 2 -maxdepth 2 -name '*.so' -print0 \
-    | tar -czf - --null -T - | split -b 15M - "$out/flashinfer_jit.tgz.part-")
+# Bring the compiled kernels back (NAME/NAME.so per module, from the JIT folder and the
+# ahead-of-time folder the jit stage copies them to; split under the 16 MiB file limit) so a
+# later run can skip the JIT build.
+dirs="$("$PY" -c 'import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR, e.FLASHINFER_AOT_DIR)' 2>/dev/null)"
+if [ -n "$dirs" ]; then
+  stage=/tmp/specdec-jit-out && rm -rf "$stage" && mkdir -p "$stage"
+  for d in $dirs; do
+    [ -d "$d" ] && (cd "$d" && find . -mindepth 2 -maxdepth 2 -name '*.so' -exec cp --parents {} "$stage" \;)
+  done
+  (cd "$stage" && tar -czf - . | split -b 15M - "$out/flashinfer_jit.tgz.part-")
   ls -l "$out"/flashinfer_jit.tgz.part-* 2>/dev/null
 fi
 echo "total ${SECONDS}s, check exit ${status}"

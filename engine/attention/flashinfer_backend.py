@@ -49,8 +49,11 @@ from engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# FlashInfer's recommended float workspace for split-KV partial results.
-WORKSPACE_BYTES = 128 * 1024 * 1024
+# Float workspace for split-KV partial results, shared by every wrapper of a backend. FlashInfer
+# suggests 128 MiB, but CUDA-graph wrappers always split KV and size their partials by the
+# padded tile count: a 7B-class head layout (28 q / 4 kv heads, head_dim 128) verifying 5 rows
+# for each of 64 sequences needs ~143 MiB on a 132-SM H200, 9 rows ~168 MiB.
+WORKSPACE_BYTES = 256 * 1024 * 1024
 PREFILL_KERNELS = ("fa2", "fa3", "auto")
 DEFAULT_PREFILL_KERNEL = "fa2"
 
