@@ -162,11 +162,10 @@ class GraphedForward:
     @torch.inference_mode()
     def _forward(self, cap: _Capture) -> torch.Tensor:  # [rows, vocab] float32
         """DecoderLM.forward without its per-step plan (that happens before replay)."""
-        model = self.model
-        x = model.embed_tokens(cap.input_ids)
-        for layer, kv in zip(model.layers, self.kv_layers, strict=True):
-            x = layer(x, cap.positions, model.rope, kv, self.backend, cap.meta)
-        return model.lm_head(model.norm(x)).float()
+        h, residual = self.model.run_layers(
+            cap.input_ids, cap.positions, self.kv_layers, self.backend, cap.meta
+        )
+        return self.model.logits(h, residual)
 
     # ---- replay -----------------------------------------------------------------------------
     def accepts(self, entries: Sequence[Any]) -> bool:

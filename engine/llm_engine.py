@@ -19,6 +19,7 @@ from engine.gpu_sampling import flashinfer_sampling_kernels, probs_for_rows, ver
 from engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
 from engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner, RunEntry
+from engine.models.fused_ops import FusedOps, probe_fused_ops
 from engine.outputs import OutputState, RequestOutput, append_and_check, make_output
 from engine.sampling import RowContext, make_generator
 from engine.sampling_params import SamplingParams
@@ -142,6 +143,7 @@ class LLMEngine:
         graphed = None
         if isinstance(backend, FlashInferAttentionBackend):
             backend.dtype = self.dtype  # plan kernels in plan(), not at the first layer
+            loaded.model.use_fused_ops(self._fused_ops())
             if self._num_scratch:
                 k_max = max(graph_q_lens) - 1
                 graphed = GraphedForward(
@@ -155,6 +157,14 @@ class LLMEngine:
                 )
                 graphed.capture(batch_buckets(self.config.max_num_seqs), graph_q_lens)
         return ModelRunner(loaded.model, kv, backend, page, graphed)
+
+    def _fused_ops(self) -> FusedOps | None:
+        """FlashInfer's fused norm/activation/rope kernels, probed once per engine (they ride
+        with FlashInfer attention; None keeps the torch layers)."""
+        if not hasattr(self, "_fused"):
+            self._fused = probe_fused_ops(self.device, self.dtype)
+            logger.info("decoder element-wise ops: %s", "fused" if self._fused else "torch")
+        return self._fused
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(

@@ -73,7 +73,9 @@ def stage_environment(ctx: CheckContext) -> dict[str, Any]:
 def stage_jit(ctx: CheckContext) -> dict[str, Any]:
     """Compile every FlashInfer module the later stages use in one parallel ninja build, then
     run the engine's own start-up self-test (what `--attention-backend auto` does)."""
-    from flashinfer.jit import build_jit_specs, gen_batch_prefill_module
+    from flashinfer.jit import build_jit_specs, gen_act_and_mul_module, gen_batch_prefill_module
+    from flashinfer.jit.norm import gen_norm_module
+    from flashinfer.jit.rope import gen_rope_module
     from flashinfer.jit.sampling import gen_sampling_module
 
     from engine.attention import selection
@@ -87,6 +89,8 @@ def stage_jit(ctx: CheckContext) -> dict[str, Any]:
         for d in head_dims
     ]
     specs.append(gen_sampling_module())
+    # The decoder's fused element-wise kernels (engine.models.fused_ops).
+    specs += [gen_norm_module(), gen_act_and_mul_module("silu"), gen_rope_module()]
     start = time.perf_counter()
     build_jit_specs(specs, verbose=False)
     built = time.perf_counter() - start
@@ -99,7 +103,9 @@ def stage_jit(ctx: CheckContext) -> dict[str, Any]:
             shutil.copy2(spec.jit_library_path, spec.aot_path)
     start = time.perf_counter()
     ok, reason = selection.flashinfer_status(ctx.device)
+    fused = ctx.fused_ops() is not None
     return {
+        "fused_ops": fused,
         "head_dims": head_dims,
         "build_seconds": built,
         "self_test_ok": ok,

@@ -13,6 +13,8 @@ from engine.attention.base import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.gpu_sampling import FlashInferKernels, SamplingKernels, TorchKernels
 from engine.models import ModelArch
+from engine.models.decoder import DecoderLM
+from engine.models.fused_ops import FusedOps, probe_fused_ops
 
 
 @dataclass
@@ -65,10 +67,25 @@ class CheckContext:
             arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.device
         )
 
+    def fused_ops(self) -> FusedOps | None:
+        """FlashInfer's fused norm/activation/rope kernels on the GPU (probed once), else None."""
+        if "fused_ops" not in self.cache:
+            ops = probe_fused_ops(self.device, self.dtype) if self.use_flashinfer else None
+            self.cache["fused_ops"] = ops
+        return self.cache["fused_ops"]
+
+    def fast_model(self, model: DecoderLM) -> DecoderLM:
+        """`model` set up as the engine runs it here: fused kernels on the GPU, torch on the CPU."""
+        model.use_fused_ops(self.fused_ops())
+        return model
+
     def sampling_kernels(self) -> SamplingKernels:
         return FlashInferKernels() if self.use_flashinfer else TorchKernels()
 
     def free_memory(self) -> None:
+        ops = self.cache.get("fused_ops")
         self.cache.clear()
+        if ops is not None:  # a probe result, not memory
+            self.cache["fused_ops"] = ops
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -117,8 +117,8 @@ def _model_steps(vocab: int, seed: int) -> list[tuple[list[list[int]], list[int]
 
 
 def stage_model_parity(ctx: CheckContext) -> dict[str, Any]:
-    """Whole random-weight models, three steps: FlashInfer and torch backends in bf16 against the
-    same model in float32 on the torch backend."""
+    """Whole random-weight models, three steps: the GPU fast path (FlashInfer attention and fused
+    kernels) and the torch layers, both in bf16, against the same model in float32 on torch."""
     page, out, ok = ctx.page_size, {}, True
     for shape in ctx.parity_shapes:
         arch = arch_for(shape)
@@ -127,10 +127,11 @@ def stage_model_parity(ctx: CheckContext) -> dict[str, Any]:
         tables = [list(range(i * 16, (i + 1) * 16)) for i in range(4)]
         steps = _model_steps(arch.vocab_size, seed=3)
         logits: dict[str, list[torch.Tensor]] = {}
-        for name, backend in (
-            ("flashinfer", ctx.attention_backend(arch)),
-            ("torch_bf16", ctx.torch_backend(arch)),
+        for name, backend, ops in (
+            ("flashinfer", ctx.attention_backend(arch), ctx.fused_ops()),
+            ("torch_bf16", ctx.torch_backend(arch), None),
         ):
+            model.use_fused_ops(ops)
             kv = _pool_copy(pool, ctx.dtype)
             logits[name] = [
                 eager_step(model, kv, backend, page, ids, starts, tables[: len(ids)])
@@ -144,7 +145,7 @@ def stage_model_parity(ctx: CheckContext) -> dict[str, Any]:
             eager_step(model, kv32, ref_backend, page, ids, starts, tables[: len(ids)])
             for ids, starts in steps
         ]
-        res: dict[str, Any] = {}
+        res: dict[str, Any] = {"fused_ops": ctx.fused_ops() is not None}
         for name in ("flashinfer", "torch_bf16"):
             res[f"rel_err_{name}"] = [
                 relative_error(g, r) for g, r in zip(logits[name], ref, strict=True)
@@ -165,40 +166,57 @@ def stage_model_parity(ctx: CheckContext) -> dict[str, Any]:
 
 def stage_graph_parity(ctx: CheckContext) -> dict[str, Any]:
     """Graph replays (3 real rows padded to 4; decode and a 5-row verify) against eager
-    FlashInfer steps at lengths other than the capture's; padding must touch no real block."""
+    FlashInfer steps at lengths other than the capture's; padding must touch no real block.
+
+    Graph-mode plans always split the KV range, eager plans may not, so the two sum attention in
+    different orders; over a deep random model that bf16 difference grows to a few percent of
+    the logits. The bar is therefore relative: graph vs eager may differ by no more than two
+    correct bf16 implementations do (eager FlashInfer with fused kernels vs the torch layers),
+    times 1.5, plus 2e-3, and never by more than that or 1e-2, whichever is larger."""
     from engine.cuda_graphs import GraphedForward
 
     out, ok, page = {}, True, ctx.page_size
     for shape in (ctx.target_shape, ctx.draft_shape):
         arch = arch_for(shape)
-        model = random_model(arch, ctx.dtype, ctx.device, seed=4)
+        model = ctx.fast_model(random_model(arch, ctx.dtype, ctx.device, seed=4))
         # Tables use blocks 0..59; 60..69 stay unused (must stay untouched); 70 is scratch.
         num_blocks, scratch = 71, [70]
         graph_kv = make_pool(arch, num_blocks, page, ctx.dtype, ctx.device, seed=5)
         eager_kv = _pool_copy(graph_kv, ctx.dtype)
+        torch_kv = _pool_copy(graph_kv, ctx.dtype)
         graphed = GraphedForward(
             model, graph_kv.layers, ctx.attention_backend(arch), page, 20, scratch, ctx.dtype
         )
         graphed.capture([4], [1, 5])
         eager = ctx.attention_backend(arch)
         tables = [list(range(i * 20, (i + 1) * 20)) for i in range(3)]
-        errs = {}
+        errs, spread = {}, {}
         for q_len, starts in ((1, [100, 37, 250]), (5, [64, 129, 200])):
             ids = [[(7 * i + j) % arch.vocab_size for j in range(q_len)] for i in range(3)]
             got = graphed.run(ids, starts, tables).clone()
             want = eager_step(model, eager_kv, eager, page, ids, starts, tables)
             errs[f"q_len_{q_len}"] = relative_error(got, want)
+            model.use_fused_ops(None)
+            plain = eager_step(model, torch_kv, ctx.torch_backend(arch), page, ids, starts, tables)
+            ctx.fast_model(model)
+            spread[f"q_len_{q_len}"] = relative_error(plain, want)
         untouched = torch.arange(60, 70, device=ctx.device)
         clean = all(
             torch.equal(g[i][untouched], e[i][untouched])
             for g, e in zip(graph_kv.layers, eager_kv.layers, strict=True)
             for i in (0, 1)
         )
-        res = {"rel_err_vs_eager": errs, "padding_touched_no_real_block": clean}
-        res["pass"] = clean and max(errs.values()) < BF16_TOLERANCE
+        bar = max(BF16_TOLERANCE, 1.5 * max(spread.values()) + 2e-3)
+        res = {
+            "rel_err_vs_eager": errs,
+            "rel_err_eager_vs_torch_layers": spread,
+            "bar": bar,
+            "padding_touched_no_real_block": clean,
+        }
+        res["pass"] = clean and max(errs.values()) <= bar
         ok &= res["pass"]
         out[shape] = res
-        del model, graph_kv, eager_kv, graphed
+        del model, graph_kv, eager_kv, torch_kv, graphed
         ctx.free_memory()
     return {"shapes": out, "pass": ok}
 

@@ -47,8 +47,8 @@ class Rig:
         page = ctx.page_size
         self.t_arch = arch_for(ctx.target_shape)
         self.d_arch = arch_for(ctx.draft_shape, vocab_size=self.t_arch.vocab_size)
-        self.target = random_model(self.t_arch, ctx.dtype, ctx.device, seed=21)
-        self.draft = random_model(self.d_arch, ctx.dtype, ctx.device, seed=22)
+        self.target = ctx.fast_model(random_model(self.t_arch, ctx.dtype, ctx.device, seed=21))
+        self.draft = ctx.fast_model(random_model(self.d_arch, ctx.dtype, ctx.device, seed=22))
         max_b, max_k = max(ctx.batch_sizes), max(ctx.ks)
         max_tokens = ctx.context_len + (ctx.e2e_steps + 2) * (max_k + 1) + page
         pages = -(-max_tokens // page)

@@ -506,6 +506,31 @@ def test_engine_with_cuda_graphs_matches_eager_engine_and_frees_every_block() ->
         assert same >= 4, (mode, outs[True][mode], outs[False][mode])
 
 
+def test_fused_ops_are_off_on_cpu() -> None:
+    from engine.models.fused_ops import probe_fused_ops
+
+    assert probe_fused_ops(CPU, torch.bfloat16) is None
+
+
+@pytest.mark.gpu
+def test_fused_ops_probe_passes_and_the_engine_uses_them() -> None:
+    pytest.importorskip("flashinfer")
+    from tiny_models import make_engine, tiny_hf_model
+
+    from engine.models.fused_ops import probe_fused_ops
+
+    assert probe_fused_ops(torch.device("cuda"), torch.bfloat16) is not None
+    engine = make_engine(
+        tiny_hf_model(seed=3, hidden=256, heads=4, kv_heads=2),
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="flashinfer",
+    )
+    assert engine.target_runner.model.layers[0].mlp.ops is not None
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].output_token_ids) == 4
+
+
 # ---------------------------------------------------------------- the device check's CPU side
 def _smoke(tmp_path, *extra: str) -> dict:
     import json

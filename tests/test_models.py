@@ -125,3 +125,59 @@ def test_ragged_batch_rows_equal_single_sequence_runs():
 def test_bad_block_table_is_rejected():
     with pytest.raises(ValueError, match="cannot hold"):
         build_attention_metadata([3], [9], [[0, 1]], 4, torch.device("cpu"))
+
+
+class InPlaceOps:
+    """A torch stand-in for `engine.models.fused_ops.FusedOps` with the kernels' in-place
+    contract (fused add-norm overwrites both inputs, rope rotates q and k where they are), so
+    the decoder's use of the fused path is checked on the CPU: a layer that read a tensor after
+    handing it to a kernel would see it overwritten here as on the GPU."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rms_norm(self, x, weight, eps):
+        self._count("rms_norm")
+        return self._norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        self._count("add_rms_norm")
+        residual.add_(x)
+        x.copy_(self._norm(residual, weight, eps))
+        return x, residual
+
+    def silu_and_mul(self, gate_up):
+        self._count("silu_and_mul")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def rope_(self, positions, q, k, cos_sin):
+        self._count("rope_")
+        cos, sin = cos_sin[positions].chunk(2, dim=-1)
+        for x in (q, k):
+            x1, x2 = x[..., : x.shape[-1] // 2].clone(), x[..., x.shape[-1] // 2 :].clone()
+            c, s = cos[:, None], sin[:, None]
+            x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+@pytest.mark.parametrize("family,kw", VARIANTS[:3])
+def test_fused_ops_path_matches_the_torch_layers(family, kw):
+    hf = tiny_hf_model(family, seed=7, layers=3, **kw)
+    plain, fused = PagedModel(hf), PagedModel(hf)
+    ops = InPlaceOps()
+    fused.lm.model.use_fused_ops(ops)
+    prompt = [3, 17, 5, 9, 22, 41, 8]
+    for chunk in (prompt[:4], prompt[4:], [11], [12, 13]):  # prefill chunks, decode, verify
+        torch.testing.assert_close(fused.feed(chunk), plain.feed(chunk), rtol=1e-4, atol=1e-4)
+    # Per forward: 2 norms per layer (1 plain + 1 fused at layer 0), one fused final norm.
+    assert ops.calls["rms_norm"] == 4 and ops.calls["add_rms_norm"] == 4 * (2 * 3 - 1 + 1)
+    assert ops.calls["silu_and_mul"] == ops.calls["rope_"] == 4 * 3
+    fused.lm.model.use_fused_ops(None)
+    torch.testing.assert_close(fused.feed([30]), plain.feed([30]), rtol=1e-4, atol=1e-4)

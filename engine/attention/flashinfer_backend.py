@@ -198,6 +198,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         if previous is not None:
             previous.synchronize()
         ix = step.indices
+        indices = ix["paged_kv_indices"]
+        if getattr(wrapper, "is_cuda_graph_enabled", False):
+            # A graph wrapper copies host indices into its fixed buffer with a blocking copy,
+            # which waits for every queued kernel: the host could never run ahead of the GPU.
+            # Handed a device tensor, it makes an asynchronous device-to-device copy instead.
+            indices = indices.to(self.device, non_blocking=True)
         common: dict[str, Any] = {
             "q_data_type": dtype,
             "kv_data_type": dtype,
@@ -208,7 +214,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 raise ValueError("a decode wrapper can only serve batches of one-row sequences")
             wrapper.plan(
                 ix["paged_kv_indptr"],
-                ix["paged_kv_indices"],
+                indices,
                 ix["paged_kv_last_page_len"],
                 self.num_heads,
                 self.num_kv_heads,
@@ -220,7 +226,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper.plan(
                 ix["qo_indptr"],
                 ix["paged_kv_indptr"],
-                ix["paged_kv_indices"],
+                indices,
                 ix["paged_kv_last_page_len"],
                 self.num_heads,
                 self.num_kv_heads,

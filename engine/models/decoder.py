@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.arch import ModelArch
+from engine.models.fused_ops import FusedOps
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -50,6 +51,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm block. The residual stream travels beside the block's output, unadded, so
+    that each add folds into the next norm (one fused kernel on CUDA):
+    ``(h, r) -> (mlp(norm2(a + r')), r')`` with ``a = attn(norm1(h + r))``, ``r' = a + h + r``."""
+
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -57,9 +62,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
 
-    def forward(self, x, positions, rope, kv_cache, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the previous block's output (the embeddings at layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before h; None at layer 0
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        a = self.self_attn(x, positions, rope, kv_cache, backend, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(a, residual)
+        return self.mlp(x), residual
 
 
 class DecoderLM(nn.Module):
@@ -88,13 +107,37 @@ class DecoderLM(nn.Module):
         logits_indices: torch.Tensor,  # [N] rows of the batch whose logits are wanted
     ) -> torch.Tensor:  # [N, vocab] float32
         backend.plan(meta)
-        x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, kv, backend, meta)
+        h, residual = self.run_layers(input_ids, positions, kv_caches, backend, meta)
         if logits_indices.numel() == 0:
-            return x.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
-        h = self.norm(x[logits_indices])
-        return self.lm_head(h).float()
+            return h.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+        return self.logits(h[logits_indices], residual[logits_indices])
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # last block's output and residual, [T, hidden]
+        """Every decoder block, with attention planned already (`backend.plan(meta)`)."""
+        h, residual = self.embed_tokens(input_ids), None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, positions, self.rope, kv, backend, meta)
+        assert residual is not None  # a model has at least one layer
+        return h, residual
+
+    def logits(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # float32
+        """Final residual add, norm and lm_head for the given rows."""
+        x, _ = self.norm.add_and_norm(h, residual)
+        return self.lm_head(x).float()
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run norms, activations and rope through `ops` (None: the torch layers)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, SwiGLU, RotaryEmbedding)):
+                m.ops = ops
+        self.rope.ops = ops
 
     def pack_linear_weights(self) -> int:
         """Pack every Linear for the CPU fast path; returns how many were packed."""

@@ -1,12 +1,21 @@
-"""Building blocks shared by the model families: linear, RMSNorm, rotary embedding, SwiGLU."""
+"""Building blocks shared by the model families: linear, RMSNorm, rotary embedding, SwiGLU.
+
+RMSNorm, RotaryEmbedding and SwiGLU hold an ``ops`` slot: None runs the torch code below (the
+reference, and the CPU path); a `engine.models.fused_ops.FusedOps` runs FlashInfer's fused kernels
+instead (`DecoderLM.use_fused_ops`).
+"""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.models.fused_ops import FusedOps
 
 
 def _onednn_available() -> bool:
@@ -60,12 +69,24 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.ops: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 as the reference implementations do, whatever the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual). The fused kernel overwrites x and residual."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -108,11 +129,22 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.float())  # [max_positions, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.ops: FusedOps | None = None
+        self._cos_sin: torch.Tensor | None = None
+
+    def cos_sin_cache(self) -> torch.Tensor:  # [max_positions, D] float32
+        """cos and sin side by side, the table layout the fused kernel reads (built once)."""
+        if self._cos_sin is None or self._cos_sin.device != self.cos.device:
+            self._cos_sin = torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
+        return self._cos_sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
+        if self.ops is not None:  # rotates q and k where they are
+            self.ops.rope_(positions, q, k, self.cos_sin_cache())
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -133,7 +165,10 @@ class SwiGLU(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.ops: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
