@@ -38,7 +38,12 @@ from evals.gpu_check_parity import (
     stage_sampling_parity,
 )
 from evals.gpu_check_summary import format_table, summarize
-from evals.gpu_check_timing import stage_bandwidth, stage_e2e, stage_step_timing
+from evals.gpu_check_timing import (
+    stage_bandwidth,
+    stage_e2e,
+    stage_kernel_profile,
+    stage_step_timing,
+)
 
 Stage = Callable[[CheckContext], dict[str, Any]]
 
@@ -124,6 +129,7 @@ STAGES: list[tuple[str, Stage, float, bool, bool]] = [
     ("bandwidth", stage_bandwidth, 5, False, False),
     ("attention_parity", stage_attention_parity, 10, True, False),
     ("step_timing", stage_step_timing, 60, True, False),
+    ("kernel_profile", stage_kernel_profile, 15, True, False),
     ("e2e", stage_e2e, 40, True, False),
     ("engine_controller", stage_engine_controller, 60, True, False),
     ("graph_parity", stage_graph_parity, 30, True, True),

@@ -73,6 +73,10 @@ def summarize(results: dict[str, Any]) -> list[Row]:
             "info",
             None,
         )
+    prof = _stage(results, "kernel_profile")
+    if prof:
+        value = f"{prof['kernels_per_step']:.0f} / {prof['kernel_us_per_step'] / 1e3:.2f} ms"
+        add("batch-1 decode kernels / kernel time", value, "measured", None)
     _timing_rows(results, add)
     return rows
 

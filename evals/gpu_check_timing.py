@@ -233,3 +233,44 @@ def stage_e2e(ctx: CheckContext) -> dict[str, Any]:
                 )
         ctx.log(f"  e2e batch {batch}: plain {plain:.3f} ms/token")
     return {"rows": results, "steps": steps, "pass": True}
+
+
+def stage_kernel_profile(ctx: CheckContext) -> dict[str, Any]:
+    """Where a batch-1 target decode step's GPU time goes: kernels of eager steps (the same
+    kernels a graph replays, without the launch gaps) by total time, and kernels per step."""
+    rig = get_rig(ctx)
+    steps, starts = 5, [ctx.context_len]
+
+    def step() -> None:
+        eager_step(
+            rig.target, rig.t_kv, rig.t_backend, ctx.page_size, [[1]], starts, rig.tables[:1]
+        )
+
+    for _ in range(2):
+        step()
+    Timer(ctx.device).sync()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        Timer(ctx.device).sync()
+    rows = []
+    for ev in prof.key_averages():
+        device_us = getattr(ev, "device_time_total", 0.0) or 0.0
+        if ev.device_type == torch.autograd.DeviceType.CUDA and device_us > 0:
+            rows.append({"kernel": ev.key[:120], "calls": ev.count, "total_us": device_us})
+    rows.sort(key=lambda r: -r["total_us"])
+    total = sum(r["total_us"] for r in rows)
+    calls = sum(r["calls"] for r in rows)
+    for r in rows:
+        r["us_per_step"] = r["total_us"] / steps
+        r["calls_per_step"] = r["calls"] / steps
+    return {
+        "steps": steps,
+        "kernel_us_per_step": total / steps,
+        "kernels_per_step": calls / steps,
+        "top": rows[:25],
+        "pass": True,
+    }
