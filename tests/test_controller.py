@@ -984,3 +984,143 @@ def test_build_controller_calibrates_and_serves_the_engine(tiny_pair) -> None:
     assert all(o.finished for o in outs)
     assert engine.allocator.num_free_blocks == free
     assert ctrl.stats()["cost_num_observations"] > 0
+
+
+# ---- host-time shortcuts change no decision -----------------------------------------------------
+
+
+def _trace(fast: AdaptiveController, ref: AdaptiveController, steps: int, seed: int) -> int:
+    """Run both controllers through one seeded trace (batch joins and finishes, acceptance that
+    drifts per sequence, 'on'/'off' requests, prefill chunks announced now and then) and assert
+    that every decision, predicted step time and counter agrees; returns how many decisions
+    the fast controller made without the search."""
+    rng = random.Random(seed)
+    target, draft = GPU_TARGET, replace(GPU_DRAFT, per_forward=0.004)
+    acceptance: dict[int, float] = {}
+    seqs: list = []
+    next_id, steady = 0, 0
+    original = fast._steady_plain
+
+    def counted(*args):
+        nonlocal steady
+        out = original(*args)
+        steady += out is not None
+        return out
+
+    fast._steady_plain = counted  # type: ignore[method-assign]
+    for step in range(steps):
+        phase = (step // 150) % 3  # 0: mixed, 1: poor drafts (batch settles plain), 2: good
+        if rng.random() < 0.05 or not seqs:  # a request joins
+            mode = rng.choice(["auto"] * 10 + ["off", "on"])
+            [seq] = make_seqs(1, start=next_id, mode=mode, prompt_len=rng.choice([8, 40]))
+            seq.params = SamplingParams(max_tokens=rng.choice([20, 200, 10**6]))
+            seq.num_draft_computed_tokens = rng.choice([seq.num_draft_computed_tokens, 0])
+            next_id += 1
+            seqs.append(seq)
+        for seq in seqs:
+            if seq.seq_id not in acceptance or rng.random() < 0.01:
+                acceptance[seq.seq_id] = rng.choice([0.0, 0.1, 0.5, 0.8, 0.95])
+        if rng.random() < 0.1:
+            rows, num = rng.choice([(0, 0), (16, 1), (200, 2)])
+            fast.expect_prefill(rows, num)
+            ref.expect_prefill(rows, num)
+        ks = fast.choose_k(seqs)
+        assert ks == ref.choose_k(seqs), f"step {step}"
+        assert fast.predicted_step_time_s == ref.predicted_step_time_s
+        forwards = draft_forwards(seqs, ks)
+        outcomes = []
+        for seq, k in zip(seqs, ks, strict=True):
+            a = (0.05, 0.05, 0.9)[phase] if acceptance[seq.seq_id] > 0.3 else 0.0
+            accepted = 0
+            while accepted < k and rng.random() < a:
+                accepted += 1
+            outcomes.append(SeqOutcome(seq, k, accepted))
+            for _ in range(accepted + 1):
+                seq.append_token(3)
+            seq.num_computed_tokens = seq.num_tokens - 1
+            if k > 0:
+                seq.num_draft_computed_tokens = seq.num_tokens - 2 - accepted + k
+            if seq.num_output_tokens >= (seq.params.max_tokens or 10**9):
+                seq.status = SequenceStatus.FINISHED_LENGTH
+        rows = sum(1 + k for k in ks)
+        t_target = target(rows, len(seqs)) * (1 + 0.05 * rng.gauss(0, 1))
+        t_draft = sum(draft(r, s) for r, s in forwards) * (1 + 0.05 * rng.gauss(0, 1))
+        obs = StepObservation(t_target + t_draft, t_draft, t_target, rows, len(seqs))
+        obs.draft_forwards, obs.outcomes = forwards, outcomes
+        fast.observe(obs)
+        ref.observe(obs)
+        seqs = [s for s in seqs if not s.is_finished]
+    for name in ("num_probes", "num_probes_deferred", "num_cost_probes", "num_shape_probes"):
+        assert getattr(fast, name) == getattr(ref, name), name
+    assert fast.num_changes == ref.num_changes
+    assert fast.cost.to_dict() == ref.cost.to_dict()
+    return steady
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_fast_path_decides_exactly_as_the_full_computation(seed: int) -> None:
+    """Caches, memoised objective values, the steady-plain shortcut and the faster fitting give
+    the very decisions (k per sequence, probes, hysteresis) of the full computation, step for
+    step, over a trace that exercises all of them."""
+
+    def make() -> AdaptiveController:
+        ctrl = AdaptiveController(
+            K_MAX, cost=CostModel(GPU_TARGET, GPU_DRAFT), acceptance=AcceptanceTracker(K_MAX)
+        )
+        ctrl.cost.seed(
+            [TargetSample(s * r, s, GPU_TARGET(s * r, s)) for s in (1, 4, 16) for r in (1, 3, 5)],
+            [],
+        )
+        return ctrl
+
+    fast, ref = make(), make()
+    ref._exact_reference = ref.cost.exact_reference = True
+    steady = _trace(fast, ref, 600, seed)
+    assert steady > 100  # the shortcut was taken (and agreed)
+    assert fast.num_probes > 0 and fast.num_changes > 0
+
+
+def test_draft_feature_columns_match_the_per_sample_sums() -> None:
+    from specdec.controller.cost_model import (
+        DraftSample,
+        _draft_features,
+        _draft_features_reference,
+    )
+
+    samples = [DraftSample(1, 37, 1, 0.01, calibration=True), DraftSample(3, 10, 3, 0.02)]
+    samples += [DraftSample(f, 5 * f + 7, f, 0.01, forwards=((7 + f, f),) * f) for f in (1, 4)]
+    for knee in (*(4, 8, 64, 512), math.inf, 6.5):
+        got, want = _draft_features(samples, knee), _draft_features_reference(samples, knee)
+        assert np.array_equal(got, want), knee
+
+
+@pytest.mark.parametrize("prefill", [0.0, 48.0])
+def test_memoised_objective_equals_the_plain_evaluation(prefill: float) -> None:
+    """Best moves and searches over random batches (random gains, catch-up rows and seconds,
+    fixed k's) come out bit for bit as the unmemoised evaluation's."""
+    rng = random.Random(3)
+    model = CostModel(GPU_TARGET, GPU_DRAFT)
+    for trial in range(30):
+        terms = []
+        for _ in range(rng.randint(1, 24)):
+            room = rng.randint(0, K_MAX)
+            gains = [1.0]
+            for _ in range(room):
+                gains.append(gains[-1] + rng.choice([0.0, 0.3, rng.random()]))
+            fixed = rng.choice([None] * 6 + [0, room])
+            catchup_s = rng.choice([0.0, 0.0, 1e-3 * rng.randint(1, 4), rng.random() * 0.01])
+            terms.append(SeqTerms(gains, rng.choice([1.0, 2.0]), fixed, catchup_s))
+        batches = [
+            BatchGoodput(terms, model, K_MAX, prefill, prefill and 1.0, True, reference)
+            for reference in (False, True)
+        ]
+        n = len(terms)
+        start = [rng.randint(0, K_MAX) for _ in range(n)]
+        for batch in batches:
+            batch.assign(batch.clamp(start))
+        moves = [[b.best_move(i) for i in range(n)] for b in batches]
+        assert moves[0] == moves[1], trial
+        starts = [start, [0] * n] + [[k] * n for k in range(1, K_MAX + 1)]
+        fast, ref = (b.search(starts) for b in batches)
+        assert fast == ref, trial
+        assert batches[0].step_time() == batches[1].step_time()

@@ -42,12 +42,12 @@ class PositionCounts:
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Every position ages on every verify, judged or not: evidence about a position the
         # sequence no longer drafts to fades back to the guess instead of freezing forever.
-        judged = min(num_accepted + 1, num_drafted, len(self.hits))
-        for j in range(len(self.hits)):
-            self.hits[j] = self.decay * self.hits[j] + (
-                1.0 if j < min(num_accepted, judged) else 0.0
-            )
-            self.trials[j] = self.decay * self.trials[j] + (1.0 if j < judged else 0.0)
+        hits, trials, decay = self.hits, self.trials, self.decay
+        judged = min(num_accepted + 1, num_drafted, len(hits))
+        accepted = min(num_accepted, judged)
+        for j in range(len(hits)):
+            hits[j] = decay * hits[j] + (1.0 if j < accepted else 0.0)
+            trials[j] = decay * trials[j] + (1.0 if j < judged else 0.0)
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -94,6 +94,9 @@ class AcceptanceTracker:
         self.strength = strength
         self._priors: dict[str, PositionCounts] = {}
         self._seqs: dict[int, PositionCounts] = {}
+        # Bumped whenever an estimate can change (observe, forget): callers may cache estimates
+        # computed under one version for as long as it holds.
+        self.version = 0
 
     def _prior_counts(self, proposer: str) -> PositionCounts:
         if proposer not in self._priors:
@@ -104,6 +107,7 @@ class AcceptanceTracker:
         """Record one verify of ``num_drafted`` drafts of which the first ``num_accepted`` held."""
         if num_drafted <= 0:
             return
+        self.version += 1
         if seq_id not in self._seqs:
             self._seqs[seq_id] = PositionCounts(self.k_max, self.seq_decay)
         self._seqs[seq_id].update(num_drafted, num_accepted)
@@ -135,12 +139,36 @@ class AcceptanceTracker:
             est.append(guess)
         return est
 
+    def expected_table(self, seq_id: int, prior: list[float], room: int) -> list[float]:
+        """``expected_tokens_table(self.estimate(seq_id, prior)[:room])``, the same arithmetic in
+        one loop (the controller asks it for every sequence every step)."""
+        counts = self._seqs.get(seq_id)
+        table, reach, total = [1.0], 1.0, 1.0
+        if counts is None:
+            for a in prior[:room]:
+                reach *= a
+                total += reach
+                table.append(total)
+            return table
+        m, guess = self.strength, prior[0]
+        for hits, trials in zip(counts.hits[:room], counts.trials[:room], strict=True):
+            guess = (hits + m * guess) / (trials + m)
+            if guess < 0.0:  # _clip, spelled out: max(guess, 0.0), then min(..., _MAX_ACCEPTANCE)
+                guess = 0.0
+            if guess > _MAX_ACCEPTANCE:
+                guess = _MAX_ACCEPTANCE
+            reach *= guess
+            total += reach
+            table.append(total)
+        return table
+
     def num_trials(self, seq_id: int) -> float:
         counts = self._seqs.get(seq_id)
         return float(counts.trials[0]) if counts is not None else 0.0
 
     def forget(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        if self._seqs.pop(seq_id, None) is not None:
+            self.version += 1
 
     def tracked(self) -> list[int]:
         return list(self._seqs)

@@ -38,12 +38,22 @@ Each step (``choose_k``):
 
 ``observe`` feeds acceptance counts to the tracker and (target, draft) times to the cost model.
 Decisions depend only on those measurements, never on the wall clock.
+
+Host time: the controller runs on the engine's critical path every step, so what it computes is
+cached where the inputs have not changed (expected-tokens tables until the acceptance tracker
+sees a verify, catch-up prices until the draft fit changes, the objective's values, see
+``goodput``), and a batch held plain with no probe due skips the search when a bound shows that no
+assignment could clear the bar to start speculating (``_steady_plain``). Both give exactly the
+decisions of the plain computation, which ``_exact_reference`` keeps for the equivalence test.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from engine.sequence import Sequence
 from specdec.controller.acceptance import AcceptanceTracker, expected_tokens_table
@@ -159,6 +169,20 @@ class AdaptiveController:
         self.num_cost_probes = 0
         self.num_shape_probes = 0
         self.num_changes = 0
+        # True: no caches and no shortcut, every decision computed in full (the reference the
+        # equivalence test compares the fast path against; decisions are identical either way).
+        self._exact_reference = False
+        # seq_id -> (room, expected-tokens table), valid while ``_gains_key`` (the tracker and
+        # its version) holds
+        self._gains: dict[int, tuple[int, list[float]]] = {}
+        self._gains_key: tuple[AcceptanceTracker, int] | None = None
+        self._optimistic: dict[int, tuple[tuple[int, float], list[float]]] = {}  # probe tables
+        self._gains_inserts = 0  # tables put in ``_gains`` (a table object is never changed)
+        # _plain_bound's matrix of expected tokens, by (_gains_inserts, tables' identities)
+        self._bound_gains: tuple[tuple, np.ndarray] | None = None
+        # raw catch-up rows -> draft seconds beyond two rows, under one draft fit (model, epoch, fit)
+        self._catchup_memo: dict[int, float] = {}
+        self._catchup_key: tuple | None = None
 
     # ---- decision ---------------------------------------------------------------------------
     def expect_prefill(self, rows: int, seqs: int) -> None:
@@ -177,8 +201,16 @@ class AdaptiveController:
             extra_tokens, extra_seqs = map(float, self._expected_prefill)
             self._expected_prefill = None
         now = self._num_decisions
+        self.cost.pin_draft_factors()  # every decision, whichever path takes it
+        if not self._exact_reference and extra_tokens < 1:
+            out = self._steady_plain(seqs, extra_tokens, extra_seqs)
+            if out is not None:
+                return out
         prior = self.acceptance.prior()
-        terms = [self._terms(seq, prior) for seq in seqs]
+        if self._exact_reference:
+            terms = [self._terms(seq, prior) for seq in seqs]
+        else:
+            terms = self._all_terms(seqs, prior)
         self._ready = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
         self._ready_fresh = True
         batch = BatchGoodput(
@@ -188,6 +220,7 @@ class AdaptiveController:
             extra_tokens,
             extra_seqs,
             self.per_position_forwards,
+            self._exact_reference,
         )
         held = self._held(seqs, terms, batch)
         v_held = batch.assign(held)
@@ -262,6 +295,184 @@ class AdaptiveController:
         """Whether the fit has enough live plain steps within 25% of ``n_plain`` rows lately."""
         return self.cost.has_plain_sample(0.8 * n_plain, 1.25 * n_plain, recent=recent)
 
+    def _steady_plain(
+        self, seqs: list[Sequence], extra_tokens: float, extra_seqs: float
+    ) -> list[int] | None:
+        """The decision without the search when it is provably all plain, else None.
+
+        Applies to a decode-only step (``extra_tokens`` < 1) where every sequence is held at
+        k = 0 ('auto' or 'off', known, not just probed) and no probe is due. Then ``choose_k``
+        keeps plain unless some assignment beats plain by the start bar
+        (``_plain_unless_clearly_better``), and none of the probes that follow acts (no probe is
+        due; a cost probe needs a speculating sequence; a shape probe a drafting one; plain first
+        a proposed start). ``_plain_bound`` shows that no assignment that drafts at all can clear
+        that bar, whatever the search would find: the decision is then all zeros, exactly as the
+        search would have made it, with the same side effects.
+        """
+        now, p, states = self._num_decisions, self.params, self._states
+        margin = min(p.plain_margin, p.plain_keep_margin) if self._speculating else p.plain_margin
+        if margin <= 0 or not seqs:
+            return None
+        probe_step = now % p.probe_every == 0
+        self._check_gains_cache()
+        cache, prior, k_max = self._gains, None, self.k_max
+        tables, free = [], []  # expected-tokens tables of the sequences free to draft, and they
+        due, due_seqs = [], []  # on a probe step: optimistic tables of those due for a probe
+        for seq in seqs:
+            seq_id = seq.seq_id
+            st = states.get(seq_id)
+            if st is None or st.k != 0 or st.probing:
+                return None
+            mode = seq.spec_mode
+            if mode == "off":
+                continue
+            if mode != "auto":
+                return None
+            max_tokens = seq.params.max_tokens  # _max_useful_k, inlined
+            remaining = 256 if max_tokens is None else max(1, max_tokens - seq.num_output_tokens)
+            room = max(0, min(k_max, remaining - 1))
+            if room == 0:
+                continue
+            if probe_step and now - st.zero_since >= st.probe_interval:
+                due.append(self._optimistic_table(seq_id, room))
+                due_seqs.append(seq)
+            hit = cache.get(seq_id)
+            if hit is None or hit[0] != room:  # the table _all_terms would use (same cache)
+                prior = prior or self.acceptance.prior()
+                table = self.acceptance.expected_table(seq_id, prior, room)
+                hit = cache[seq_id] = (room, table)
+                self._gains_inserts += 1
+            tables.append(hit[1])
+            free.append(seq)
+        n = len(seqs)
+        num_seqs = n + extra_seqs
+        curve = self.cost.target_curve()
+        # As BatchGoodput prices the all-plain step (no prefill beside it, no draft forward).
+        step_time = max(curve(extra_tokens + n, num_seqs), 1e-9)
+        plain = (n, extra_tokens + n, num_seqs, step_time)
+        # Catch-up seconds only when the bound needs them (they change every step).
+        if tables and not (
+            self._plain_bound(tables, *plain, margin)
+            or self._plain_bound(tables, *plain, margin, self._catchups(free, False))
+        ):
+            return None
+        # Due sequences are probed only if, at an optimistic acceptance and everything else
+        # held where it is, some assignment would beat plain by ``plain_margin`` (``_probes``).
+        if due and not self._plain_bound(
+            due, *plain, p.plain_margin, self._catchups(due_seqs, True)
+        ):
+            return None
+        # Side effects of the full decision on this outcome: see choose_k and _update_states
+        # (a known sequence held at 0, not probing, kept at 0 only has last_seen move).
+        self._ready = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
+        self._ready_fresh = True
+        self._speculating = False
+        for seq in seqs:
+            states[seq.seq_id].last_seen = now
+        out = [0] * n
+        self._last = _Decision(out, n / step_time, step_time)
+        self._forget_stale()
+        return out
+
+    def _optimistic_table(self, seq_id: int, room: int) -> list[float]:
+        """The expected-tokens table ``_probes`` asks about for a due sequence (cached as the
+        tracker's tables are)."""
+        p = self.params
+        hit = self._optimistic.get(seq_id)
+        if hit is None or hit[0] != (room, p.probe_acceptance):
+            est = self.acceptance.estimate(seq_id, self.acceptance.prior())
+            optimistic = [max(a, p.probe_acceptance) for a in est[:room]]
+            hit = self._optimistic[seq_id] = (
+                (room, p.probe_acceptance),
+                expected_tokens_table(optimistic),
+            )
+            self._gains_inserts += 1
+        return hit[1]
+
+    def _catchups(self, seqs: list[Sequence], probe: bool) -> list[float]:
+        """The catch-up seconds ``_terms`` (or, for a probe, ``_probes``) charges each."""
+        steps = PROBE_PAYBACK_STEPS if probe else CATCHUP_PAYBACK_STEPS
+        return [self._catchup(seq, steps)[1] for seq in seqs]
+
+    def _plain_bound(
+        self,
+        tables: list[list[float]],
+        n: int,
+        plain_rows: float,
+        num_seqs: float,
+        plain_time: float,
+        margin: float,
+        catchup_s: list[float] | None = None,
+    ) -> bool:
+        """Whether no assignment that drafts at all can beat plain by ``margin``.
+
+        ``tables``: E_i(0..room_i) of the sequences free to draft (the others commit one token
+        each). An assignment drafting k_i (K in all, the longest kappa) commits n + sum_i
+        (E_i(k_i) - 1) tokens in at least A + a kappa + b K seconds: A the least the target curve
+        takes for any row count it can have, and a, b from the draft fit (``CostModel.
+        draft_bound``: every forward pays its fixed part, every drafted token its row). It is
+        not better than plain by the bar when n + sum_i (E_i(k_i) - 1) <= c (A + a kappa + b K),
+        c = (n / plain time) (1 + margin), i.e. when for every kappa
+        sum_i max_{k <= kappa} (E_i(k) - 1 - c b k) <= c A + c a kappa - n. Given the catch-up
+        seconds C_i each sequence adds if it drafts (``catchup_s``, in ``tables``' order; else
+        none are counted, which only weakens the bound), every drafting term also loses c C_i.
+        A 1e-6 slack in c covers the rounding of every value involved.
+        """
+        draft = self.cost.draft_bound(self.per_position_forwards)
+        most_rows = sum(len(t) - 1 for t in tables)
+        target = self.cost.target_curve().lower_bound(
+            plain_rows + 1, plain_rows + most_rows, num_seqs
+        )
+        if draft is None or target is None:
+            return False
+        per_forward, per_row = draft
+        c = n / plain_time * (1 + margin) / (1 + 1e-6)
+        # Coarse first: every sequence at its longest draft in the cheapest drafting step.
+        most_tokens = n + sum(t[-1] - 1.0 for t in tables)
+        if catchup_s is None and most_tokens <= c * (target + per_forward + per_row):
+            return True
+        k_max = self.k_max
+        key = (self._gains_inserts, *map(id, tables))  # the same table objects: the same matrix
+        if self._bound_gains is None or self._bound_gains[0] != key:
+            pad = [-math.inf] * k_max
+            rows = [t[1:] + pad[: k_max + 1 - len(t)] for t in tables]
+            self._bound_gains = (key, np.array(rows) - 1.0)  # [seqs, k_max]: E_i(k) - 1
+        ks = np.arange(1, k_max + 1, dtype=np.float64)
+        net = self._bound_gains[1] - (c * per_row) * ks  # E_i(k) - 1 - c b k
+        if catchup_s is not None:
+            net -= c * np.array(catchup_s)[:, None]
+        best = np.maximum.accumulate(np.maximum(net, 0.0), axis=1).sum(axis=0)  # per kappa
+        forwards = ks if self.per_position_forwards else np.ones_like(ks)
+        return bool(np.all(best <= c * target + c * per_forward * forwards - n))
+
+    def _check_gains_cache(self) -> None:
+        """Drop cached expected-tokens tables once the tracker (or its data) changed."""
+        key = self._gains_key
+        if key is None or key[0] is not self.acceptance or key[1] != self.acceptance.version:
+            self._gains, self._optimistic = {}, {}
+            self._gains_inserts += 1
+            self._gains_key = (self.acceptance, self.acceptance.version)
+
+    def _all_terms(self, seqs: list[Sequence], prior: list[float]) -> list[SeqTerms]:
+        """``_terms`` for every sequence, expected-tokens tables cached while the
+        acceptance tracker has seen nothing new (the same tables: the same arithmetic)."""
+        self._check_gains_cache()
+        cache, out = self._gains, []
+        for seq in seqs:
+            room = self._max_useful_k(seq)
+            hit = cache.get(seq.seq_id)
+            if hit is not None and hit[0] == room:
+                gains = hit[1]
+            else:
+                gains = self.acceptance.expected_table(seq.seq_id, prior, room)
+                cache[seq.seq_id] = (room, gains)
+                self._gains_inserts += 1
+            mode = seq.spec_mode
+            fixed = 0 if mode == "off" else room if mode == "on" else None
+            rows, catchup_s = self._catchup(seq, CATCHUP_PAYBACK_STEPS)
+            out.append(SeqTerms(gains, rows, fixed, catchup_s))
+        return out
+
     def _terms(self, seq: Sequence, prior: list[float]) -> SeqTerms:
         room = self._max_useful_k(seq)
         gains = expected_tokens_table(self.acceptance.estimate(seq.seq_id, prior)[:room])
@@ -290,9 +501,21 @@ class AdaptiveController:
 
     def _catchup_seconds(self, raw_rows: int) -> float:
         """Draft seconds for reading ``raw_rows`` unseen rows beyond the usual two (a lookup
-        proposer reads nothing)."""
+        proposer reads nothing). Memoised per draft fit (``CostModel.draft_epoch``)."""
         if raw_rows <= 2 or not self.per_position_forwards:
             return 0.0
+        if self._exact_reference:
+            return self._catchup_seconds_uncached(raw_rows)
+        key = (self.cost, self.cost.draft_epoch, self.cost.draft)
+        old = self._catchup_key
+        if old is None or old[0] is not key[0] or old[1] != key[1] or old[2] is not key[2]:
+            self._catchup_memo, self._catchup_key = {}, key
+        t = self._catchup_memo.get(raw_rows)
+        if t is None:
+            t = self._catchup_memo[raw_rows] = self._catchup_seconds_uncached(raw_rows)
+        return t
+
+    def _catchup_seconds_uncached(self, raw_rows: int) -> float:
         whole = self.cost.draft_time([(raw_rows, 1)])
         return max(0.0, whole - self.cost.draft_time([(2, 1)]))
 
@@ -342,9 +565,10 @@ class AdaptiveController:
             return []
         # Would the due sequences be worth drafting for if their acceptance were high? Ask the
         # same objective with everything else pinned where it is.
-        what_if = list(terms)
-        for i, t in enumerate(terms):
-            what_if[i] = replace(t, fixed_k=chosen[i])
+        what_if = [
+            SeqTerms(t.gains, t.catchup_rows, k, t.catchup_s)
+            for t, k in zip(terms, chosen, strict=True)
+        ]
         for i in due:
             est = self.acceptance.estimate(seqs[i].seq_id, prior)
             optimistic = [max(a, p.probe_acceptance) for a in est[: terms[i].max_k]]
@@ -378,6 +602,7 @@ class AdaptiveController:
             batch.extra_tokens,
             batch.num_seqs - len(batch.terms),
             self.per_position_forwards,
+            self._exact_reference,
         )
 
     def _spend_probe_budget(

@@ -59,6 +59,8 @@ two shapes is the one the controller makes every step.
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import math
 import statistics
 from collections import deque
@@ -140,9 +142,37 @@ class TargetCurve:
         return t + self.parametric.per_seq * (num_seqs - self.seqs[i])
 
     def __call__(self, num_tokens: float, num_seqs: float) -> float:
-        exact = self.shapes.get((round(num_tokens), round(num_seqs)))
-        if exact is not None and num_tokens == round(num_tokens) and num_seqs == round(num_seqs):
-            return exact
+        if self.shapes:
+            exact = self.shapes.get((round(num_tokens), round(num_seqs)))
+            if (
+                exact is not None
+                and num_tokens == round(num_tokens)
+                and num_seqs == round(num_seqs)
+            ):
+                return exact
+        return self._smooth(num_tokens, num_seqs)
+
+    def lower_bound(self, lo: float, hi: float, num_seqs: float) -> float | None:
+        """A lower bound on this curve over rows in [lo, hi] at ``num_seqs`` sequences (None
+        where the fit's row slopes are negative).
+
+        Between measured points the curve is linear, below the first and beyond the last it
+        follows the fit, non-decreasing with non-negative slopes: so its least value on the
+        interval is at an end or a measured point inside. Exact shapes near the interval are
+        included whatever their sequence count (a superset only lowers the bound).
+        """
+        fit = self.parametric
+        if fit.slope_low < 0 or fit.slope_high < 0:
+            return None
+        xs = [lo, hi, *(r for r in self.rows if lo < r < hi)]
+        least = min(self._smooth(x, num_seqs) for x in xs)
+        for (rows, _), t in self.shapes.items():
+            if lo - 1 <= rows <= hi + 1:
+                least = min(least, t)
+        return least
+
+    def _smooth(self, num_tokens: float, num_seqs: float) -> float:
+        """The curve between exact shapes: measured points, the fit between and beyond."""
         rows, fit = self.rows, self.parametric
         if not rows:
             return fit(num_tokens, num_seqs)
@@ -197,19 +227,36 @@ class DraftSample:
 
 
 def _target_features(samples: Sequence[TargetSample], knee: float) -> np.ndarray:
-    n = np.array([s.num_tokens for s in samples], dtype=np.float64)
-    return np.column_stack(
-        [
-            np.ones_like(n),
-            np.array([s.num_seqs for s in samples], dtype=np.float64),
-            np.minimum(n, knee),
-            np.maximum(0.0, n - knee),
-            np.array([s.calibration for s in samples], dtype=np.float64),
-        ]
-    )  # [num_samples, 5]
+    return _TargetColumns(samples).features(knee)  # [num_samples, 5]
+
+
+class _TargetColumns:
+    """``_target_features`` for many knees: the columns that do not depend on it built once."""
+
+    def __init__(self, samples: Sequence[TargetSample]) -> None:
+        self.n = np.array([s.num_tokens for s in samples], dtype=np.float64)
+        self.seqs = np.array([s.num_seqs for s in samples], dtype=np.float64)
+        self.calibration = np.array([s.calibration for s in samples], dtype=np.float64)
+
+    def features(self, knee: float) -> np.ndarray:
+        n = self.n
+        return np.column_stack(
+            [
+                np.ones_like(n),
+                self.seqs,
+                np.minimum(n, knee),
+                np.maximum(0.0, n - knee),
+                self.calibration,
+            ]
+        )  # [num_samples, 5]
 
 
 def _draft_features(samples: Sequence[DraftSample], knee: float) -> np.ndarray:
+    return _DraftColumns(samples).features(knee)  # [num_samples, 5]
+
+
+def _draft_features_reference(samples: Sequence[DraftSample], knee: float) -> np.ndarray:
+    """``_draft_features`` one sample at a time (what ``_DraftColumns`` must reproduce)."""
     f = np.array([s.num_forwards for s in samples], dtype=np.float64)
     low = [sum(min(r, knee) for r, _ in s.each()) for s in samples]
     high = [sum(max(0.0, r - knee) for r, _ in s.each()) for s in samples]
@@ -222,6 +269,48 @@ def _draft_features(samples: Sequence[DraftSample], knee: float) -> np.ndarray:
             f * np.array([s.calibration for s in samples], dtype=np.float64),
         ]
     )  # [num_samples, 5]
+
+
+def _forward_rows(sample: DraftSample) -> tuple[float, ...]:
+    """Each forward's rows (``each``), kept on the sample: samples are not changed once made."""
+    rows = sample.__dict__.get("_forward_rows")
+    if rows is None:
+        rows = sample.__dict__["_forward_rows"] = tuple(r for r, _ in sample.each())
+    return rows
+
+
+class _DraftColumns:
+    """``_draft_features`` for many knees: per-forward rows in one zero-padded matrix, so a knee
+    costs two array operations instead of a Python loop over every forward of every sample.
+
+    Exact where every row count and the knee are whole numbers (or the knee infinite), as they
+    are for every sample the model makes: the sums are then of integers, exact in any order.
+    Otherwise each sample is summed as ``_draft_features_reference`` does.
+    """
+
+    def __init__(self, samples: Sequence[DraftSample]) -> None:
+        self.samples = samples
+        self.f = np.array([s.num_forwards for s in samples], dtype=np.float64)
+        self.seqs = np.array([s.seqs for s in samples], dtype=np.float64)
+        self.calibration = self.f * np.array([s.calibration for s in samples], dtype=np.float64)
+        rows = [_forward_rows(s) for s in samples]
+        width = max(map(len, rows), default=0)
+        pad = (0.0,) * width
+        self.rows = np.array([r + pad[len(r) :] for r in rows], dtype=np.float64).reshape(
+            len(rows), width
+        )  # [num_samples, most forwards]
+        self.whole = bool(np.all(self.rows == np.floor(self.rows)))
+
+    def features(self, knee: float) -> np.ndarray:
+        if self.whole and (math.isinf(knee) or float(knee).is_integer()):
+            low = np.minimum(self.rows, knee).sum(axis=1)
+            high = np.maximum(0.0, self.rows - knee).sum(axis=1)
+        else:
+            low = np.array([sum(min(r, knee) for r, _ in s.each()) for s in self.samples])
+            high = np.array([sum(max(0.0, r - knee) for r, _ in s.each()) for s in self.samples])
+        return np.column_stack(
+            [self.f, low.astype(np.float64), high.astype(np.float64), self.seqs, self.calibration]
+        )  # [num_samples, 5]
 
 
 def fit_nonneg_ridge(
@@ -333,6 +422,24 @@ class CostModel:
         # observation number); and the measured / fitted factor per bucket, built on demand
         self._draft_measured: dict[int, deque[tuple[DraftSample, int]]] = {}
         self._draft_factors: dict[int, float] = {}
+        self._ratio_memo: dict[int, tuple[tuple, float]] = {}  # bucket -> (inputs, median)
+        # The observation count the cached factors judge freshness at: pinned by the first ask
+        # (or ``pin_draft_factors``) after they were dropped, so that a factor does not depend on
+        # which step first asked for it. ``draft_epoch`` counts the drops (callers' memos).
+        self._factors_as_of: int | None = None
+        self.draft_epoch = 0
+        # target_curve's pieces, recomputed only where their inputs changed: row count ->
+        # (newest observation, per-seq slope, (seconds, sequences)); the anchors' points under
+        # (anchor list, offset); shape -> (newest observation, median)
+        self._point_memo: dict[int, tuple[int, float, tuple[float, float]]] = {}
+        self._anchor_memo: tuple[object, float, dict[int, tuple[float, float]]] | None = None
+        self._shape_memo: dict[tuple[int, int], tuple[int, float]] = {}
+        # True: no memo is used (target curve pieces, the draft fit, the feature columns): the
+        # reference an equivalence test compares against. Predictions are identical either way.
+        self.exact_reference = False
+        # Draft samples added (the draft fit's input changes); the last draft fit by its inputs
+        self._draft_data = 0
+        self._draft_fit_memo: tuple[tuple, tuple[DraftCost, float]] | None = None
         self.num_observations = 0
         self.num_fits = 0
         self._since_fit = 0
@@ -344,26 +451,33 @@ class CostModel:
     def target_curve(self) -> TargetCurve:
         """The predictor the controller uses: measured points, the parametric fit between."""
         if self._curve is None:
-            measured: dict[int, tuple[float, float]] = {}  # rows -> (seconds, sequences)
-            for a in self._target_anchors:  # a bare forward, plus what a live step adds to it
-                t = max(a.seconds - self.calibration_offset, _MIN_TIME)
-                if t < measured.get(a.num_tokens, (float("inf"), 0))[0]:
-                    measured[a.num_tokens] = (t, a.num_seqs)
+            if self.exact_reference:
+                self._point_memo, self._shape_memo, self._anchor_memo = {}, {}, None
+            measured = dict(self._anchor_points())  # rows -> (seconds, sequences)
+            memo, per_seq = self._point_memo, self.target.per_seq
             for n, recent in self._measured.items():
+                newest = recent[-1][2]
                 if (
                     len(recent) < self.min_measured
-                    and self.num_observations - recent[-1][2] > self.stale_after
+                    and self.num_observations - newest > self.stale_after
                 ):
                     # Too few steps for the median to resist a stall, and none lately: a row
                     # count priced out by one stall would be avoided, so never measured again,
                     # so never corrected. Such a point expires; the earlier estimate returns.
                     continue
+                hit = memo.get(n)
+                if hit is not None and hit[0] == newest and hit[1] == per_seq:
+                    measured[n] = hit[2]
+                    continue
                 seqs = statistics.fmean(s for _, s, _ in recent)
                 # The median resists the odd stalled step; steps of this row count at other
                 # sequence counts are first moved to the mean count by the fit's slope.
-                per_seq = self.target.per_seq
                 t = statistics.median(t + per_seq * (seqs - s) for t, s, _ in recent)
                 measured[n] = (t, seqs)
+                memo[n] = (newest, per_seq, (t, seqs))
+            if len(memo) > 2 * self.max_measured_sizes:
+                for n in [n for n in memo if n not in self._measured]:
+                    del memo[n]
             points: list[tuple[float, float | None, float]] = []
             for n, (t, seqs) in sorted(measured.items()):
                 fit = self.target(n, seqs)
@@ -375,17 +489,40 @@ class CostModel:
             self._curve = TargetCurve(points, self.target, self._shape_medians(curve))
         return self._curve
 
+    def _anchor_points(self) -> dict[int, tuple[float, float]]:
+        """rows -> (seconds, sequences) of the calibration forwards, plus what a live step adds
+        to a bare one (the fitted offset); the cheapest where several share a row count."""
+        key, offset = self._target_anchors, self.calibration_offset
+        if self._anchor_memo is None or self._anchor_memo[:2] != (key, offset):
+            measured: dict[int, tuple[float, float]] = {}
+            for a in self._target_anchors:  # a bare forward, plus what a live step adds to it
+                t = max(a.seconds - offset, _MIN_TIME)
+                if t < measured.get(a.num_tokens, (float("inf"), 0))[0]:
+                    measured[a.num_tokens] = (t, a.num_seqs)
+            self._anchor_memo = (key, offset, measured)
+        return self._anchor_memo[2]
+
     def _shape_medians(self, curve: TargetCurve) -> dict[tuple[int, int], float]:
         """Median seconds of each (rows, sequences) shape with enough recent live steps, where
         the curve is off it by more than ``curve_tolerance`` (within that, the curve pools more
         steps and jitters less: two shapes' medians a few percent apart would flip decisions)."""
-        out = {}
+        out, memo = {}, self._shape_memo
         for (n, s), recent in self._measured_shapes.items():
-            fresh = self.num_observations - recent[-1][1] <= self.stale_after
+            newest = recent[-1][1]
+            fresh = self.num_observations - newest <= self.stale_after
             if len(recent) >= self.min_measured and fresh:
-                t, c = statistics.median(t for t, _ in recent), curve(n, s)
+                hit = memo.get((n, s))
+                if hit is not None and hit[0] == newest:
+                    t = hit[1]
+                else:
+                    t = statistics.median(t for t, _ in recent)
+                    memo[(n, s)] = (newest, t)
+                c = curve(n, s)
                 if abs(t - c) > self.curve_tolerance * c:
                     out[(n, s)] = t
+        if len(memo) > 2 * self.max_measured_sizes:
+            for shape in [k for k in memo if k not in self._measured_shapes]:
+                del memo[shape]
         return out
 
     def draft_time(self, forwards: Sequence[tuple[int, int]]) -> float:
@@ -407,28 +544,80 @@ class CostModel:
         the rest: on a two-core CPU, 16 sequences' two draft forwards (about 46 rows) ran 25%
         over it for a whole run, and a 16-sequence catch-up of 808 rows took twice its price.
         That is the speculating side of the very decision the fit is for, so its own steps
-        price it, as measured points price the target side (``target_curve``)."""
+        price it, as measured points price the target side (``target_curve``).
+
+        Factors are cached until the next draft step or refit; "recent" is judged at the
+        observation count pinned by the first ask after that (``pin_draft_factors``), so a
+        factor does not depend on which decision first asked for its row count."""
         bucket = int(rows).bit_length()
         factor = self._draft_factors.get(bucket)
         if factor is None:
             factor = 1.0
             recent = self._draft_measured.get(bucket, ())
-            fresh = recent and self.num_observations - recent[-1][1] <= self.stale_after
+            self.pin_draft_factors()
+            fresh = recent and self._factors_as_of - recent[-1][1] <= self.stale_after
             if len(recent) >= self.min_measured and fresh:
-                ratio = statistics.median(
-                    s.seconds / max(sum(self.draft(r, n) for r, n in s.each()), _MIN_TIME)
-                    for s, _ in recent
-                )
+                # The same samples under the same fit give the same median: keep it per bucket
+                # until either changes (the newest sample object stands for the bucket's steps:
+                # they are only ever appended, each a new object).
+                key = (recent[-1][0], self.draft)  # every sample is a new object
+                hit = self._ratio_memo.get(bucket)
+                if (
+                    hit is not None
+                    and not self.exact_reference
+                    and hit[0][0] is key[0]
+                    and hit[0][1] is key[1]
+                ):
+                    ratio = hit[1]
+                else:
+                    ratio = statistics.median(
+                        s.seconds / max(sum(self.draft(r, n) for r, n in s.each()), _MIN_TIME)
+                        for s, _ in recent
+                    )
+                    self._ratio_memo[bucket] = (key, ratio)
                 if abs(ratio - 1.0) > self.curve_tolerance:
                     factor = ratio
             self._draft_factors[bucket] = factor
         return factor
+
+    def pin_draft_factors(self) -> None:
+        """Judge the freshness of draft factors computed from now until they are next dropped
+        at the current observation count (the controller calls this before each decision)."""
+        if self._factors_as_of is None:
+            self._factors_as_of = self.num_observations
+
+    def _drop_draft_factors(self) -> None:
+        self._draft_factors.clear()
+        self._factors_as_of = None
+        self.draft_epoch += 1
+
+    def draft_bound(self, per_position_forwards: bool) -> tuple[float, float] | None:
+        """(a, b) such that a step drafting K tokens in all, kappa per-position forwards (one
+        forward in all without ``per_position_forwards``), spends at least a kappa + b K seconds
+        in draft forwards (None where a draft coefficient is negative: no such bound holds).
+
+        Each forward costs at least its fixed part, each drafted token a row at the cheaper row
+        price (and, per-position, a sequence) in some forward; catch-up only adds; the factor is
+        the smallest any row count has (1 where none was measured).
+        """
+        d = self.draft
+        if min(d.per_forward, d.per_row, d.per_seq, d.per_row_above_knee, d.knee) < 0:
+            return None
+        factor = 1.0  # row counts without measured steps
+        for bucket in self._draft_measured:
+            factor = min(factor, self.draft_factor((1 << bucket) >> 1))
+        # rows = min(rows, knee) + max(0, rows - knee) for a knee >= 0; none beyond an infinite one
+        per_row = d.per_row if math.isinf(d.knee) else min(d.per_row, d.per_row_above_knee)
+        if per_position_forwards:
+            per_row += d.per_seq
+        return factor * d.per_forward, factor * per_row
 
     # ---- data -------------------------------------------------------------------------------
     def seed(self, target: Sequence[TargetSample], draft: Sequence[DraftSample]) -> None:
         """Install calibration samples as anchors and refit, choosing the knee from scratch."""
         self._target_anchors = [replace(s, calibration=True) for s in target]
         self._draft_anchors = [replace(s, calibration=True) for s in draft]
+        self._draft_data += 1
         self.refit(search_knee=True)
         self.prior_target, self.prior_draft = self.target, self.draft
 
@@ -455,11 +644,12 @@ class CostModel:
             seqs = sum(s for _, s in forwards)
             sample = DraftSample(len(forwards), rows, seqs, seconds, forwards=tuple(forwards))
             self._draft_live.append(sample)
+            self._draft_data += 1
             bucket = int(rows).bit_length()
             recent = self._draft_measured.get(bucket) or deque(maxlen=self.measured_window)
             recent.append((sample, self.num_observations))
             self._draft_measured[bucket] = recent
-            self._draft_factors.clear()
+            self._drop_draft_factors()
 
     def has_plain_sample(self, lo: float, hi: float, recent: int = 256) -> bool:
         """Whether ``min_measured`` live plain steps (one row per sequence) with a row count in
@@ -467,11 +657,12 @@ class CostModel:
         model has measured the plain side of its choice at this batch size lately (enough steps
         for the curve to take them at face value). Calibration forwards do not count: they are
         bare forwards, and what a live step adds to one grows with the batch."""
-        live = self._target_live
-        found = sum(
-            live[i].num_tokens == live[i].num_seqs and lo <= live[i].num_tokens <= hi
-            for i in range(max(0, len(live) - recent), len(live))
-        )
+        found = 0
+        for sample in itertools.islice(reversed(self._target_live), max(0, recent)):
+            if sample.num_tokens == sample.num_seqs and lo <= sample.num_tokens <= hi:
+                found += 1
+                if found >= self.min_measured:
+                    return True
         return found >= self.min_measured
 
     def num_live_at(self, num_tokens: int, recent: int = 256) -> int:
@@ -495,7 +686,7 @@ class CostModel:
     def refit(self, search_knee: bool = False) -> None:
         self._since_fit = 0
         self._curve = None
-        self._draft_factors.clear()
+        self._drop_draft_factors()
         self.num_fits += 1
         self._refit_target(search_knee)
         self._refit_draft(search_knee)
@@ -507,7 +698,7 @@ class CostModel:
         p = self.prior_target
         max_rows = max(s.num_tokens for s in samples)
         knee, b = self._fit_with_knee(
-            lambda knee: _target_features(samples, knee),
+            _TargetColumns(samples).features,
             samples, len(self._target_anchors),
             np.array([p.base, p.per_seq, p.slope_low, p.slope_high, 0.0]),
             self.target.knee, max_rows if search_knee else None,
@@ -522,14 +713,36 @@ class CostModel:
         self.calibration_offset = float(b[4])
 
     def _refit_draft(self, search_knee: bool) -> None:
+        # The fit is a function of the samples, the prior, the knee it starts from and the
+        # knobs: when none changed since the last fit (no draft ran lately), it is that fit.
+        key = (
+            self._draft_data, self._draft_anchors, len(self._draft_live), self.prior_draft,
+            self.draft.knee, search_knee, self.ridge, self.decay, self.anchor_weight,
+        )  # fmt: skip
+        if (
+            not self.exact_reference
+            and self._draft_fit_memo is not None
+            and self._draft_fit_memo[0] == key
+        ):
+            self.draft, self.draft_calibration_offset = self._draft_fit_memo[1]
+            return
+        self._fit_draft(search_knee)
+        self._draft_fit_memo = (key, (self.draft, self.draft_calibration_offset))
+
+    def _fit_draft(self, search_knee: bool) -> None:
         samples = self._draft_anchors + list(self._draft_live)
         if not samples:
             return
         p = self.prior_draft
         high = p.per_row_above_knee if math.isfinite(p.knee) else p.per_row
         max_rows = max(r for s in samples for r, _ in s.each())
+        features = (
+            functools.partial(_draft_features_reference, samples)
+            if self.exact_reference
+            else _DraftColumns(samples).features
+        )
         knee, b = self._fit_with_knee(
-            lambda knee: _draft_features(samples, knee),
+            features,
             samples, len(self._draft_anchors),
             np.array([p.per_forward, p.per_row, high, p.per_seq, 0.0]),
             self.draft.knee, max_rows if search_knee else None,

@@ -31,6 +31,14 @@ rows are compute-bound, dearer than decode rows, and bought once for many steps.
 (histogram of k, rows_0, sum of C_i), so changing one k_i re-evaluates in O(k_max): the search is
 coordinate ascent from a few starting points (the held decision, all off, every uniform k), each
 sequence in turn moved to its best k given the others, until no move helps.
+
+Evaluation is memoised, never approximated: the added time is a pure function of (histogram,
+sum of k, rows_0, catch-up seconds), so it is computed once per distinct value of those; and while
+the assignment stands, a move's time depends on the moving sequence only through (its k, its
+catch-up rows, its catch-up seconds), so ``best_move`` prices each such class once and only does
+the per-sequence division. Every value is the same floating-point expression, evaluated in the
+same order, as the plain evaluation (kept behind ``exact_reference=True`` for the equivalence test),
+so every comparison, and so every decision, comes out the same.
 """
 
 from __future__ import annotations
@@ -66,8 +74,19 @@ class BatchGoodput:
         extra_tokens: float = 0.0,
         extra_seqs: float = 0.0,
         per_position_forwards: bool = True,
+        exact_reference: bool = False,
     ) -> None:
         self.terms = list(terms)
+        # True: every value computed afresh, as before memoisation (the equivalence test's reference)
+        self.exact_reference = exact_reference
+        # (hist, sum_k, rows0, catchup_s) -> added seconds; pure, so valid for this object's life
+        self._added_memo: dict[tuple, float] = {}
+        # While the assignment stands: (k, catchup_rows, catchup_s) of a moving sequence -> added
+        # seconds per new k; and the current value. Dropped whenever the assignment changes.
+        self._move_rows: dict[tuple[int, float, float], list[float]] = {}
+        self._current: float | None = None
+        self._limits: list[tuple[int | None, int]] | None = None  # (fixed_k, max_k) for clamp
+        self._clamped: dict[tuple[int, ...], list[int]] = {}
         self.cost = cost
         self._target = cost.target_curve()  # fixed for the life of this object: one decision
         self._draft = cost.draft
@@ -83,7 +102,9 @@ class BatchGoodput:
         self._time_price: float | None = None
         self._time_scale = 1.0
         if self._prefill_alone > 0 and self.terms:
-            alone = BatchGoodput(self.terms, cost, k_max, 0.0, 0.0, per_position_forwards)
+            alone = BatchGoodput(
+                self.terms, cost, k_max, 0.0, 0.0, per_position_forwards, exact_reference
+            )
             n = len(self.terms)
             _, self._time_price = alone.search([[k] * n for k in range(k_max + 1)], refine=1)
             self._time_scale = max(alone.step_time(), 1e-9)
@@ -116,6 +137,17 @@ class BatchGoodput:
 
     def _added_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
         """Seconds the decodes add to the step (the whole step when it carries no prefill)."""
+        if self.exact_reference:
+            return self._added_time_uncached(hist, sum_k, rows0, catchup_s)
+        key = (*hist, sum_k, rows0, catchup_s)
+        t = self._added_memo.get(key)
+        if t is None:
+            t = self._added_memo[key] = self._added_time_uncached(hist, sum_k, rows0, catchup_s)
+        return t
+
+    def _added_time_uncached(
+        self, hist: list[int], sum_k: int, rows0: float, catchup_s: float
+    ) -> float:
         n = self.extra_tokens + len(self.terms) + sum_k
         t = self._target(n, self.num_seqs) - self._prefill_alone
         return max(t + self._draft_time(hist, sum_k, rows0, catchup_s), 1e-9)
@@ -131,7 +163,11 @@ class BatchGoodput:
     def value(self) -> float:
         """The objective for the current assignment: predicted committed tokens per second (on
         that scale, net of the added time's value, when the step carries prefill)."""
-        return self._value(self.sum_gain, self.hist, self.sum_k, self.rows0, self.catchup_s)
+        if self._current is None or self.exact_reference:
+            self._current = self._value(
+                self.sum_gain, self.hist, self.sum_k, self.rows0, self.catchup_s
+            )
+        return self._current
 
     def step_time(self) -> float:
         """Predicted seconds of the whole step (prefill chunks included) for the assignment."""
@@ -173,15 +209,97 @@ class BatchGoodput:
         self.hist[old] -= 1
         self.hist[k] += 1
         self.ks[i] = k
+        self._changed()
+
+    def _changed(self) -> None:
+        self._current = None
+        if self._move_rows:
+            self._move_rows = {}
 
     def assign(self, ks: Sequence[int]) -> float:
+        """Set every k (``set`` in turn, inlined: the same additions in the same order)."""
+        cur, terms, hist = self.ks, self.terms, self.hist
+        sum_gain, rows0, catchup_s, sum_k = self.sum_gain, self.rows0, self.catchup_s, self.sum_k
+        changed = False
         for i, k in enumerate(ks):
-            self.set(i, k)
+            old = cur[i]
+            if k == old:
+                continue
+            t = terms[i]
+            sum_gain += t.gains[k] - t.gains[old]
+            moved = (k > 0) - (old > 0)
+            rows0 += t.catchup_rows * moved
+            catchup_s += t.catchup_s * moved
+            sum_k += k - old
+            hist[old] -= 1
+            hist[k] += 1
+            cur[i] = k
+            changed = True
+        if changed:
+            self.sum_gain, self.rows0, self.catchup_s, self.sum_k = (
+                sum_gain,
+                rows0,
+                catchup_s,
+                sum_k,
+            )
+            self._changed()
         return self.value()
 
     # ---- search -----------------------------------------------------------------------------
     def best_move(self, i: int) -> int:
         """Best k for sequence i given the others."""
+        if self.exact_reference:
+            return self._best_move_reference(i)
+        t, old = self.terms[i], self.ks[i]
+        current = self._current
+        if current is None:
+            current = self.value()
+        times = self._move_rows.get((old, t.catchup_rows, t.catchup_s))
+        if times is None:
+            times = self._move_times(old, t.catchup_rows, t.catchup_s)
+        gains, price = t.gains, self._time_price
+        base = self.sum_gain - gains[old]  # value_if's sum, left to right: base + gains[k]
+        best_k, best_v = old, current
+        for k in range(len(gains)):
+            if k == old:
+                v = current
+            elif price is None:
+                v = (base + gains[k]) / times[k]
+            else:
+                v = price + ((base + gains[k]) - price * times[k]) / self._time_scale
+            if v > best_v * (1 + 1e-12):
+                best_k, best_v = k, v
+        return best_k
+
+    def _move_times(self, old: int, catchup_rows: float, catchup_s: float) -> list[float]:
+        """Added seconds if a sequence at ``old`` with these catch-up terms moved to each k
+        (``value_if``'s time, the entry at ``old`` unused), cached while the assignment stands."""
+        key = (old, catchup_rows, catchup_s)
+        times = self._move_rows.get(key)
+        if times is not None:
+            return times
+        hist, times = self.hist, []
+        for k in range(self.k_max + 1):
+            if k == old:
+                times.append(0.0)
+                continue
+            moved = (k > 0) - (old > 0)
+            hist[old] -= 1
+            hist[k] += 1
+            times.append(
+                self._added_time(
+                    hist,
+                    self.sum_k - old + k,
+                    self.rows0 + catchup_rows * moved,
+                    self.catchup_s + catchup_s * moved,
+                )
+            )
+            hist[k] -= 1
+            hist[old] += 1
+        self._move_rows[key] = times
+        return times
+
+    def _best_move_reference(self, i: int) -> int:
         best_k, best_v = self.ks[i], self.value()
         for k in range(self.terms[i].max_k + 1):
             v = self.value_if(i, k)
@@ -195,9 +313,14 @@ class BatchGoodput:
         self.set(i, 0)
         self.sum_gain += gains[0] - saved.gains[0]
         self.terms[i] = replace(saved, gains=gains)
+        self._current, self._limits = (
+            None,
+            None,
+        )  # the sum changed (the move times did not: gains are not in them)
         k = self.best_move(i)
         self.sum_gain += saved.gains[0] - gains[0]
         self.terms[i] = saved
+        self._current, self._limits = None, None
         self.set(i, cur)
         return k
 
@@ -217,10 +340,16 @@ class BatchGoodput:
 
     def clamp(self, ks: Sequence[int]) -> list[int]:
         """Respect fixed k's and per-sequence limits."""
-        return [
-            t.fixed_k if t.fixed_k is not None else max(0, min(k, t.max_k))
-            for t, k in zip(self.terms, ks, strict=True)
-        ]
+        if self._limits is None:
+            self._limits, self._clamped = [(t.fixed_k, t.max_k) for t in self.terms], {}
+        key = tuple(ks)  # the same few starts are clamped again and again in one decision
+        out = self._clamped.get(key)
+        if out is None:
+            out = self._clamped[key] = [
+                fixed if fixed is not None else max(0, min(k, max_k))
+                for (fixed, max_k), k in zip(self._limits, ks, strict=True)
+            ]
+        return list(out)
 
     def search(self, starts: Sequence[Sequence[int]], refine: int = 2) -> tuple[list[int], float]:
         """Best assignment found: every start scored, the best ``refine`` of them ascended."""
