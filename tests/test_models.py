@@ -181,3 +181,49 @@ def test_fused_ops_path_matches_the_torch_layers(family, kw):
     assert ops.calls["silu_and_mul"] == ops.calls["rope_"] == 4 * 3
     fused.lm.model.use_fused_ops(None)
     torch.testing.assert_close(fused.feed([30]), plain.feed([30]), rtol=1e-4, atol=1e-4)
+
+
+class StubGraphs:
+    """Stands in for `engine.cuda_graphs.GraphedForward` (CUDA only): one captured bucket of
+    four one-token sequences, returning a fixed buffer it overwrites on every replay."""
+
+    def __init__(self, vocab: int) -> None:
+        self.buffer = torch.zeros(4, vocab)
+        self.calls: list[list[list[int]]] = []
+
+    def accepts(self, entries) -> bool:
+        from engine.cuda_graphs import graph_bucket
+
+        return graph_bucket(entries, [(4, 1)], max_tokens_per_seq=64) is not None
+
+    def run(self, token_ids, start_positions, block_tables) -> torch.Tensor:
+        self.calls.append([list(t) for t in token_ids])
+        self.buffer.fill_(float(len(self.calls)))
+        return self.buffer[: len(token_ids)]
+
+
+def test_runner_replays_graphs_only_for_batches_that_fit_and_copies_their_logits():
+    from types import SimpleNamespace
+
+    from engine.model_runner import ModelRunner, RunEntry
+
+    paged = PagedModel(tiny_hf_model("qwen2", seed=2))
+    stub = StubGraphs(paged.lm.arch.vocab_size)
+    runner = ModelRunner(paged.lm.model, paged.kv, paged.backend, paged.page_size, stub)
+    seq = SimpleNamespace(block_table=paged.table)
+
+    decode = [RunEntry(seq, [5], 3, 1), RunEntry(seq, [6], 4, 1)]
+    first = runner.run(decode)
+    assert stub.calls == [[[5], [6]]] and runner.num_graph_runs == 1
+    runner.run(decode)  # the stub overwrites its buffer: the first result must be a copy
+    assert torch.equal(first, torch.ones_like(first))
+
+    eager_batches = [
+        [RunEntry(seq, [1, 2, 3], 0, 1)],  # a prompt chunk
+        [RunEntry(seq, [5], 3, 1)] * 5,  # larger than the bucket
+        [RunEntry(seq, [7, 8], 3, 2)],  # a q_len never captured
+    ]
+    for entries in eager_batches:
+        logits = runner.run(entries)
+        assert logits.shape[0] == sum(e.num_logits for e in entries)
+    assert runner.num_graph_runs == 2 and len(stub.calls) == 2
