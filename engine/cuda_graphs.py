@@ -62,7 +62,12 @@ def graph_bucket(
         return None
     if any(e.start_pos + q_len > max_tokens_per_seq for e in entries):
         return None
-    fits = [b for b, q in captured if q == q_len and b >= len(entries)]
+    return smallest_bucket(captured, len(entries), q_len)
+
+
+def smallest_bucket(captured: Iterable[tuple[int, int]], batch_size: int, q_len: int) -> int | None:
+    """Smallest captured batch size >= batch_size for this q_len, or None."""
+    fits = [b for b, q in captured if q == q_len and b >= batch_size]
     return min(fits) if fits else None
 
 
@@ -175,8 +180,7 @@ class GraphedForward:
 
     def bucket_for(self, batch_size: int, q_len: int) -> int | None:
         """Smallest captured batch size >= batch_size for this q_len, or None."""
-        fits = [b for (b, q) in self._captures if q == q_len and b >= batch_size]
-        return min(fits) if fits else None
+        return smallest_bucket(self._captures, batch_size, q_len)
 
     def run(
         self,

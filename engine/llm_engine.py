@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -143,7 +144,7 @@ class LLMEngine:
         graphed = None
         if isinstance(backend, FlashInferAttentionBackend):
             backend.dtype = self.dtype  # plan kernels in plan(), not at the first layer
-            loaded.model.use_fused_ops(self._fused_ops())
+            loaded.model.use_fused_ops(self._fused_ops)
             if self._num_scratch:
                 k_max = max(graph_q_lens) - 1
                 graphed = GraphedForward(
@@ -158,13 +159,13 @@ class LLMEngine:
                 graphed.capture(batch_buckets(self.config.max_num_seqs), graph_q_lens)
         return ModelRunner(loaded.model, kv, backend, page, graphed)
 
+    @functools.cached_property
     def _fused_ops(self) -> FusedOps | None:
-        """FlashInfer's fused norm/activation/rope kernels, probed once per engine (they ride
-        with FlashInfer attention; None keeps the torch layers)."""
-        if not hasattr(self, "_fused"):
-            self._fused = probe_fused_ops(self.device, self.dtype)
-            logger.info("decoder element-wise ops: %s", "fused" if self._fused else "torch")
-        return self._fused
+        """FlashInfer's fused norm/activation/rope kernels, probed once per engine and only when
+        a runner gets FlashInfer attention (None keeps the torch layers)."""
+        ops = probe_fused_ops(self.device, self.dtype)
+        logger.info("decoder element-wise ops: %s", "fused" if ops else "torch")
+        return ops
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(

@@ -20,11 +20,36 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
+from engine.models import ModelArch
+from engine.models.decoder import DecoderLM
 from engine.sampling_params import SamplingParams
 from evals.gpu_check_context import CheckContext
 from evals.gpu_check_models import arch_for, random_model
 
 ARMS = {"plain": "off", "fixed_k": "on", "adaptive": "auto"}
+
+Named = tuple[str, ModelArch, DecoderLM]  # (shape name, architecture, model)
+
+
+def random_model_engine(ctx: CheckContext, target: Named, draft: Named, **config: Any) -> LLMEngine:
+    """An `LLMEngine` on the check's device over already built models (k_max 4; FlashInfer on
+    the GPU, torch on the CPU); ``config`` sets the sizes."""
+    cfg = EngineConfig(
+        model=f"random-{target[0]}",
+        draft_model=f"random-{draft[0]}",
+        device=ctx.device.type,
+        dtype="bfloat16" if ctx.dtype == torch.bfloat16 else "float32",
+        attention_backend="flashinfer" if ctx.use_flashinfer else "torch",
+        page_size=ctx.page_size,
+        num_speculative_tokens=4,
+        **config,
+    )
+    return LLMEngine(
+        cfg,
+        target=LoadedModel(Path("."), target[1], target[2], None, 0.0),
+        draft=LoadedModel(Path("."), draft[1], draft[2], None, 0.0),
+        progress=False,
+    )
 
 
 def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
@@ -38,26 +63,16 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
     d_arch = arch_for(d_shape, vocab_size=t_arch.vocab_size)
     target = random_model(t_arch, ctx.dtype, ctx.device, seed=21)
     draft = random_model(d_arch, ctx.dtype, ctx.device, seed=22)
-    cfg = EngineConfig(
-        model=f"random-{t_shape}",
-        draft_model=f"random-{d_shape}",
-        device=ctx.device.type,
-        dtype="bfloat16" if ctx.dtype == torch.bfloat16 else "float32",
-        attention_backend="flashinfer" if ctx.use_flashinfer else "torch",
+    start = time.perf_counter()
+    engine = random_model_engine(
+        ctx,
+        (t_shape, t_arch, target),
+        (d_shape, d_arch, draft),
         num_kv_blocks=batch * (-(-(prompt_len + out_len + 16) // ctx.page_size)) + 64,
-        page_size=ctx.page_size,
         max_model_len=prompt_len + out_len + 16,
         max_num_seqs=batch,
         max_num_batched_tokens=max(512, batch * prompt_len),
-        num_speculative_tokens=4,
         controller_warmup=True,
-    )
-    start = time.perf_counter()
-    engine = LLMEngine(
-        cfg,
-        target=LoadedModel(Path("."), t_arch, target, None, 0.0),
-        draft=LoadedModel(Path("."), d_arch, draft, None, 0.0),
-        progress=False,
     )
     setup_s = time.perf_counter() - start
     rng = random.Random(23)

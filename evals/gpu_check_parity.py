@@ -9,21 +9,18 @@ backend in bf16 is (both see the same rounded inputs), not bitwise equal to anyt
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
 from scipy import stats
 
 from engine.attention.base import build_attention_metadata
-from engine.config import EngineConfig
 from engine.gpu_sampling import TorchKernels, sample_from_probs, verify_drafts, warp_probs
 from engine.kv_cache import ModelKV
-from engine.llm_engine import LLMEngine
-from engine.loader import LoadedModel
 from engine.sampling import make_generator
 from engine.sampling_params import SamplingParams
 from evals.gpu_check_context import CheckContext
+from evals.gpu_check_engine import random_model_engine
 from evals.gpu_check_models import (
     arch_for,
     eager_step,
@@ -307,25 +304,15 @@ def stage_engine_greedy(ctx: CheckContext) -> dict[str, Any]:
         ("random_draft", draft, d_arch),
         ("self_draft", target, t_arch),
     ):
-        cfg = EngineConfig(
-            model=f"random-{t_shape}",
-            draft_model=f"random-{label}",
-            device=ctx.device.type,
-            dtype="bfloat16" if ctx.dtype == torch.bfloat16 else "float32",
-            attention_backend="flashinfer" if ctx.use_flashinfer else "torch",
+        engine = random_model_engine(
+            ctx,
+            (t_shape, t_arch, target),
+            (label, draft_arch, draft_model),
             num_kv_blocks=1024,
-            page_size=ctx.page_size,
             max_model_len=512,
             max_num_seqs=8,
             max_num_batched_tokens=512,
-            num_speculative_tokens=4,
             controller_warmup=False,
-        )
-        engine = LLMEngine(
-            cfg,
-            target=LoadedModel(Path("."), t_arch, target, None, 0.0),
-            draft=LoadedModel(Path("."), draft_arch, draft_model, None, 0.0),
-            progress=False,
         )
         plain = [o.output_token_ids for o in engine.generate(prompts, params, speculative="off")]
         spec = [o.output_token_ids for o in engine.generate(prompts, params, speculative="on")]

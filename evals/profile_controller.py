@@ -23,10 +23,11 @@ import time
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from evals.controller_sim import draft_forwards, verify_step
 from specdec.controller import AcceptanceTracker, AdaptiveController, AdaptiveParams, CostModel
 from specdec.controller.cost_model import DraftCost, DraftSample, TargetCost, TargetSample
 from specdec.controller.factory import INITIAL_ACCEPTANCE
-from specdec.controller_base import SeqOutcome, StepObservation
+from specdec.controller_base import StepObservation
 
 K_MAX = 4
 TARGET = TargetCost(base=7e-3, per_seq=0.0, slope_low=2e-5, knee=4096, slope_high=2e-5)
@@ -80,21 +81,8 @@ def run(
         t1 = clock()
         ks = controller.choose_k(seqs)
         t2 = clock()
-        forwards, outcomes = [], []
-        for j in range(max(ks)):
-            drafting = [s for s, k in zip(seqs, ks, strict=True) if k > j]
-            rows = sum(s.num_tokens - s.num_draft_computed_tokens for s in drafting)
-            forwards.append((rows if j == 0 else len(drafting), len(drafting)))
-        for seq, k in zip(seqs, ks, strict=True):
-            accepted = 0
-            while accepted < k and rng.random() < acceptance:
-                accepted += 1
-            outcomes.append(SeqOutcome(seq, k, accepted))
-            for _ in range(accepted + 1):
-                seq.append_token(3)
-            seq.num_computed_tokens = seq.num_tokens - 1
-            if k > 0:
-                seq.num_draft_computed_tokens = seq.num_tokens - 2 - accepted + k
+        forwards = draft_forwards(seqs, ks)
+        outcomes = [verify_step(seq, k, acceptance, rng) for seq, k in zip(seqs, ks, strict=True)]
         rows = n + sum(ks)
         draft_time = sum(draft_cost(r, s) for r, s in forwards)
         target_time = TARGET(rows, n)

@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from evals.controller_sim import draft_forwards, verify_step
 from specdec.controller.cost_model import DraftCost, TargetCost
-from specdec.controller_base import SeqOutcome, SpeculationController, StepObservation
+from specdec.controller_base import SpeculationController, StepObservation
 
 # acceptance(seq, step) -> chance that each draft token is accepted
 AcceptanceFn = Callable[[Sequence, int], float]
@@ -24,16 +25,6 @@ def make_seqs(n: int, start: int = 0, mode: str = "auto", prompt_len: int = 8) -
         seq.num_computed_tokens = seq.num_draft_computed_tokens = prompt_len - 1
         seqs.append(seq)
     return seqs
-
-
-def draft_forwards(seqs: list[Sequence], ks: list[int]) -> list[tuple[int, int]]:
-    """(rows, seqs) of each draft forward a draft-model proposer runs for these k's."""
-    out = []
-    for j in range(max(ks, default=0)):
-        drafting = [s for s, k in zip(seqs, ks, strict=True) if k > j]
-        rows = sum(s.num_tokens - s.num_draft_computed_tokens for s in drafting) if j == 0 else 0
-        out.append((rows or len(drafting), len(drafting)))
-    return out
 
 
 def simulate(
@@ -55,18 +46,7 @@ def simulate(
         forwards = draft_forwards(seqs, ks)
         outcomes = []
         for seq, k in zip(seqs, ks, strict=True):
-            a = acceptance(seq, step)
-            accepted = 0
-            while accepted < k and rng.random() < a:
-                accepted += 1
-            outcomes.append(SeqOutcome(seq, k, accepted))
-            for _ in range(accepted + 1):
-                seq.append_token(3)
-            seq.num_computed_tokens = seq.num_tokens - 1
-            if k > 0:  # the draft has seen everything up to its own k-th token
-                seq.num_draft_computed_tokens = min(
-                    seq.num_tokens - 1, seq.num_tokens - 2 - accepted + k
-                )
+            outcomes.append(verify_step(seq, k, acceptance(seq, step), rng))
         num_tokens = sum(1 + k for k in ks)
         target_time = target(num_tokens, len(seqs)) * max(0.1, 1 + noise * rng.gauss(0, 1))
         draft_time = sum(draft(r, s) for r, s in forwards) * max(0.1, 1 + noise * rng.gauss(0, 1))

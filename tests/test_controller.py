@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers_controller import draft_forwards, make_seqs, simulate
+from helpers_controller import make_seqs, simulate
 from tiny_models import make_engine, tiny_hf_model
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
+from evals.controller_sim import draft_forwards, verify_step
 from specdec.controller import (
     AcceptanceTracker,
     AdaptiveController,
@@ -1031,15 +1032,7 @@ def _trace(fast: AdaptiveController, ref: AdaptiveController, steps: int, seed: 
         outcomes = []
         for seq, k in zip(seqs, ks, strict=True):
             a = (0.05, 0.05, 0.9)[phase] if acceptance[seq.seq_id] > 0.3 else 0.0
-            accepted = 0
-            while accepted < k and rng.random() < a:
-                accepted += 1
-            outcomes.append(SeqOutcome(seq, k, accepted))
-            for _ in range(accepted + 1):
-                seq.append_token(3)
-            seq.num_computed_tokens = seq.num_tokens - 1
-            if k > 0:
-                seq.num_draft_computed_tokens = seq.num_tokens - 2 - accepted + k
+            outcomes.append(verify_step(seq, k, a, rng))
             if seq.num_output_tokens >= (seq.params.max_tokens or 10**9):
                 seq.status = SequenceStatus.FINISHED_LENGTH
         rows = sum(1 + k for k in ks)
