@@ -80,7 +80,7 @@ PROBE_PAYBACK_STEPS = 8
 @dataclass(frozen=True)
 class AdaptiveParams:
     margin: float = 0.03  # relative goodput gain needed to change the held decision
-    plain_margin: float = 0.08  # relative gain over all-plain needed to start speculating
+    plain_margin: float = 0.05  # relative gain over all-plain needed to start speculating
     plain_keep_margin: float = 0.02  # ... and to go on speculating (hysteresis band)
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
