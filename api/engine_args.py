@@ -31,7 +31,8 @@ HELP = {
     "attention_backend": "attention kernels (auto: FlashInfer on CUDA when it works, else torch)",
     "page_size": "tokens per KV block",
     "kv_cache_memory": "GiB for the KV pool on CPU (shared by target and draft)",
-    "gpu_memory_utilization": "fraction of free GPU memory for the KV pool",
+    "gpu_memory_utilization": "fraction of the GPU memory free after the weights that the engine "
+    "may use: the KV pool plus workspaces, CUDA graphs and activations (estimated, set aside first)",
     "num_kv_blocks": "exact KV block count (overrides the memory budget)",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "max_num_seqs": "most sequences in one batch",

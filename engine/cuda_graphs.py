@@ -12,8 +12,10 @@ A batch smaller than its bucket is padded. Padding rows point at scratch blocks 
 reserves in the KV pool and never hands to the allocator: they write their K/V only there and
 attend only to it, so no real sequence's slot is ever touched.
 
-Logits come back for every row, ``[bucket * q_len, vocab]`` float32, in a static buffer that the
-next replay of the same graph overwrites: copy what must outlive it.
+Logits come back for every row, ``[bucket * q_len, vocab]`` float32, as a view of one static
+buffer that all of a model's graphs write (sized for the largest; per-graph outputs would hold
+~1.2 GB for a 7B vocabulary at 64 sequences x 5 q_lens): the next replay of any of them
+overwrites it, so copy what must outlive it.
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ class GraphedForward:
         self.device = backend.device
         self._captures: dict[tuple[int, int], _Capture] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._logits: torch.Tensor | None = None  # [max rows, vocab] float32, shared output
+        # Warm-up runs go to a side stream before each capture. One stream for all of them: the
+        # caching allocator keeps freed blocks per stream (and cuBLAS a workspace per stream), so
+        # a stream per capture would keep each warm-up's blocks to itself.
+        self._capture_stream: torch.cuda.Stream | None = None
 
     # ---- capture ----------------------------------------------------------------------------
     def capture(self, batch_sizes: Sequence[int], q_lens: Sequence[int]) -> None:
@@ -126,10 +133,21 @@ class GraphedForward:
                 f"{len(self.scratch_blocks)} scratch blocks of {self.page_size} slots cannot "
                 f"hold a padding row of {max(q_lens)} tokens"
             )
+        rows = max(batch_sizes) * max(q_lens)
+        if self._logits is None or self._logits.shape[0] < rows:
+            # Graphs captured earlier keep a view of the old buffer, which stays alive with them.
+            vocab = self.model.arch.vocab_size
+            self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
         for q_len in sorted(set(q_lens), reverse=True):
             for batch_size in sorted(set(batch_sizes), reverse=True):
                 if (batch_size, q_len) not in self._captures:
                     self._captures[(batch_size, q_len)] = self._capture_one(batch_size, q_len)
+        # What the warm-ups left cached on the side stream is of no use to the main stream's
+        # eager steps: hand it back (the graphs' own pool is not affected).
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         logger.info(
             "captured %d CUDA graphs (batch %s x q_len %s) in %.1f s",
             len(self._captures),
@@ -154,7 +172,8 @@ class GraphedForward:
             slot_mapping=torch.zeros(rows, **i64),
         )
         self._prepare(cap, [], [], [])  # all padding rows: plans the wrapper, fills buffers
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
+        assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside capture (allocator, library handles)
@@ -166,11 +185,14 @@ class GraphedForward:
 
     @torch.inference_mode()
     def _forward(self, cap: _Capture) -> torch.Tensor:  # [rows, vocab] float32
-        """DecoderLM.forward without its per-step plan (that happens before replay)."""
+        """DecoderLM.forward without its per-step plan (that happens before replay); logits go
+        to the shared output buffer."""
         h, residual = self.model.run_layers(
             cap.input_ids, cap.positions, self.kv_layers, self.backend, cap.meta
         )
-        return self.model.logits(h, residual)
+        assert self._logits is not None
+        out = self._logits[: cap.batch_size * cap.q_len]
+        return self.model.logits(h, residual, out=out)
 
     # ---- replay -----------------------------------------------------------------------------
     def accepts(self, entries: Sequence[Any]) -> bool:

@@ -11,15 +11,17 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.attention import create_backend
-from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+from engine.attention.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttentionBackend
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedForward, batch_buckets, num_scratch_blocks
+from engine.device_memory import RuntimeShapes, runtime_bytes
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from engine.gpu_sampling import flashinfer_sampling_kernels, probs_for_rows, verify_drafts
 from engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
 from engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner, RunEntry
+from engine.models.arch import ModelArch
 from engine.models.fused_ops import FusedOps, probe_fused_ops
 from engine.outputs import OutputState, RequestOutput, append_and_check, make_output
 from engine.sampling import RowContext, make_generator
@@ -31,6 +33,9 @@ from specdec.controller_base import SeqOutcome, StepObservation
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
 
 logger = logging.getLogger(__name__)
+
+# Draft steps feed one token, or two when catching up after a fully accepted verify.
+DRAFT_Q_LENS = (1, 2)
 
 
 class LLMEngine:
@@ -59,19 +64,26 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
 
         archs = [self.target.arch] + ([self.draft.arch] if self.draft else [])
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(archs)
         k_max = config.num_speculative_tokens if config.speculation_enabled else 0
+        graph_q_lens = list(range(1, k_max + 2))
+        # On CUDA: what workspaces, graphs and activations will take once the pool is fixed.
+        self.runtime_reserve_bytes = (
+            self._runtime_reserve(k_max) if self.device.type == "cuda" else 0
+        )
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(archs)
         if num_blocks * config.page_size < self.max_model_len + k_max:
+            memory = (
+                "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-memory"
+            )
             raise ConfigError(
                 f"the KV pool ({num_blocks} blocks x {config.page_size} tokens) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len}: raise --kv-cache-memory or "
+                f"sequence of max_model_len={self.max_model_len}: raise {memory} or "
                 f"lower --max-model-len"
             )
         # CUDA graphs pad batches with rows that write only to scratch blocks: the pools hold
         # them past the allocator's last block id, so no sequence is ever given one.
-        graph_q_lens = list(range(1, k_max + 2))
         self._num_scratch = 0
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self._uses_graphs:
             self._num_scratch = num_scratch_blocks(max(graph_q_lens), config.page_size)
         self._num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks, config.page_size, config.enable_prefix_caching)
@@ -90,8 +102,7 @@ class LLMEngine:
             self.sampling_kernels = flashinfer_sampling_kernels(self.device)
         self.proposer: Proposer | None = None
         if config.speculative_method == "draft_model":
-            # Draft steps feed one token, or two when catching up after a fully accepted verify.
-            runner = self._make_runner(self.draft, [1, 2])
+            runner = self._make_runner(self.draft, list(DRAFT_Q_LENS))
             self.proposer = DraftModelProposer(runner, self.sampling_kernels)
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)
@@ -122,13 +133,50 @@ class LLMEngine:
             ids |= set(self.tokenizer.eos_token_ids)
         return tuple(sorted(ids))
 
-    def _num_blocks_from_budget(self, archs) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
-        else:
+    @property
+    def _uses_graphs(self) -> bool:
+        """Whether runners capture CUDA graphs (they do when FlashInfer attention is picked)."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.config.attention_backend != "torch"
+        )
+
+    def _num_blocks_from_budget(self, archs: list[ModelArch]) -> int:
+        """CPU: ``kv_cache_memory`` GiB. CUDA: ``gpu_memory_utilization`` of the free memory,
+        less what the runners will take later (workspaces, CUDA graphs, activations)."""
+        if self.device.type != "cuda":
             budget = int(self.config.kv_cache_memory * GIB)
-        return num_blocks_for_budget(archs, self.config.page_size, self.dtype, budget)
+            return num_blocks_for_budget(archs, self.config.page_size, self.dtype, budget)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.config.gpu_memory_utilization) - self.runtime_reserve_bytes
+        logger.info(
+            "GPU memory: %.2f GiB free after weights; %.2f GiB of the %.0f%% used by the engine "
+            "are set aside for workspaces, CUDA graphs and activations, the rest holds KV",
+            free / GIB,
+            self.runtime_reserve_bytes / GIB,
+            100 * self.config.gpu_memory_utilization,
+        )
+        return num_blocks_for_budget(archs, self.config.page_size, self.dtype, max(0, budget))
+
+    def _runtime_reserve(self, k_max: int) -> int:
+        """Estimated device bytes of both runners beyond weights and KV (`device_memory`)."""
+        cfg = self.config
+        buckets = batch_buckets(cfg.max_num_seqs) if self._uses_graphs else []
+        common = {
+            "max_batched_tokens": cfg.max_num_batched_tokens,
+            "max_sampled_rows": cfg.max_num_seqs * (k_max + 1),
+            "float_workspace_bytes": WORKSPACE_BYTES,
+        }
+        total = runtime_bytes(
+            self.target.arch,
+            self.dtype,
+            RuntimeShapes(graph_batch_sizes=buckets, graph_q_lens=range(1, k_max + 2), **common),
+        )
+        if self.draft is not None:
+            shapes = RuntimeShapes(graph_batch_sizes=buckets, graph_q_lens=DRAFT_Q_LENS, **common)
+            total += runtime_bytes(self.draft.arch, self.dtype, shapes)
+        return total
 
     def _make_runner(self, loaded: LoadedModel, graph_q_lens: list[int]) -> ModelRunner:
         arch, page = loaded.arch, self.config.page_size

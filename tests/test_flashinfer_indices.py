@@ -468,6 +468,10 @@ def test_graph_replay_matches_eager_torch_backend() -> None:
     untouched = [b for b in range(39) if all(b not in t for t in tables)]
     for (gk, _), (ek, _) in zip(graph_kv.layers, eager_kv.layers, strict=True):
         assert torch.equal(gk[untouched], ek[untouched])  # padding wrote only to block 39
+    # Both graphs wrote their logits into one buffer sized for the larger capture.
+    outputs = [graphed.replay(4, q_len) for q_len in (1, 3)]
+    assert len({o.untyped_storage().data_ptr() for o in outputs}) == 1
+    assert outputs[1].shape == (12, arch.vocab_size)
 
 
 @pytest.mark.gpu

@@ -127,10 +127,15 @@ class DecoderLM(nn.Module):
         assert residual is not None  # a model has at least one layer
         return h, residual
 
-    def logits(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # float32
-        """Final residual add, norm and lm_head for the given rows."""
+    def logits(
+        self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # float32
+        """Final residual add, norm and lm_head for the given rows (into ``out`` if given: the
+        float32 cast writes there directly, one kernel either way)."""
         x, _ = self.norm.add_and_norm(h, residual)
-        return self.lm_head(x).float()
+        if out is None:
+            return self.lm_head(x).float()
+        return out.copy_(self.lm_head(x))
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run norms, activations and rope through `ops` (None: the torch layers)."""
