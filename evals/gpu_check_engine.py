@@ -52,6 +52,88 @@ def random_model_engine(ctx: CheckContext, target: Named, draft: Named, **config
     )
 
 
+def _device_memory_now(ctx: CheckContext) -> dict[str, int] | None:
+    """Free device bytes and torch's allocator counters; resets torch's peak counter."""
+    if ctx.device.type != "cuda":
+        return None
+    torch.cuda.synchronize(ctx.device)
+    now = {
+        "free": torch.cuda.mem_get_info(ctx.device)[0],
+        "torch_reserved": torch.cuda.memory_reserved(ctx.device),
+        "torch_allocated": torch.cuda.memory_allocated(ctx.device),
+        "torch_peak_allocated": torch.cuda.max_memory_allocated(ctx.device),
+    }
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    return now
+
+
+def _graph_pool_free_bytes(device: torch.device) -> int:
+    """Bytes reserved by private (CUDA-graph) pools on ``device`` that no live tensor holds."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(
+        seg["total_size"] - seg["allocated_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("device") == index and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
+
+
+def _runtime_memory(
+    ctx: CheckContext, engine: LLMEngine, before: dict[str, int] | None
+) -> dict[str, Any] | None:
+    """What the engine took beyond its KV pools (its models were built before it) once all of its
+    steps ran, against the estimate it set aside (`engine.device_memory`). torch's counters tell
+    its caching allocator (blocks it holds, peak of live tensors, graph captures included) from
+    allocations outside it."""
+    after = _device_memory_now(ctx)
+    if before is None or after is None:
+        return None
+    runners = [engine.target_runner, engine.proposer.runner]
+    kv = sum(k.nbytes + v.nbytes for r in runners for k, v in r.kv.layers)
+    taken = before["free"] - after["free"] - kv
+    torch_reserved = after["torch_reserved"] - before["torch_reserved"] - kv
+    peak_live = after["torch_peak_allocated"] - before["torch_allocated"] - kv
+    # Blocks torch's allocator caches but no tensor holds are handed back when an allocation
+    # would otherwise fail, so what the engine needs is its peak of live tensors, plus the free
+    # part of the CUDA graphs' private pools (kept for replays), plus what was allocated outside
+    # torch (library handles, loaded kernels, graph executables).
+    pools = _graph_pool_free_bytes(ctx.device)
+    needed = peak_live + pools + (taken - torch_reserved)
+    estimated = engine.runtime_reserve_bytes
+    return {
+        "kv_pool_bytes": kv,
+        "taken_bytes": taken,
+        "torch_reserved_bytes": torch_reserved,
+        "torch_allocated_now_bytes": after["torch_allocated"] - before["torch_allocated"] - kv,
+        "torch_peak_live_bytes": peak_live,
+        "graph_pool_free_bytes": pools,
+        "needed_bytes": needed,
+        "estimated_bytes": estimated,
+        "needed_vs_estimated": needed / estimated if estimated else None,
+        "taken_vs_estimated": taken / estimated if estimated else None,
+        "pass": needed <= estimated,
+    }
+
+
+class _ControllerClock:
+    """Adds up the host seconds an engine spends in its controller's per-step calls."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds = 0.0
+        controller = engine.controller
+        for name in ("expect_prefill", "choose_k", "observe"):
+            setattr(controller, name, self._timed(getattr(controller, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
 def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
     """Generate a batch of requests per arm, arms interleaved over rounds; tokens per second of
     wall time, median over rounds. The controller is calibrated at engine start, as in serving."""
@@ -63,6 +145,7 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
     d_arch = arch_for(d_shape, vocab_size=t_arch.vocab_size)
     target = random_model(t_arch, ctx.dtype, ctx.device, seed=21)
     draft = random_model(d_arch, ctx.dtype, ctx.device, seed=22)
+    memory_before = _device_memory_now(ctx)
     start = time.perf_counter()
     engine = random_model_engine(
         ctx,
@@ -80,6 +163,8 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
     engine.generate([[1, 2, 3]], params, speculative="off")  # first-step allocations
 
     tok_per_s: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    per_step: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    host = _ControllerClock(engine)
     controller_stats: list[dict[str, Any]] = []
     rounds = 1 if smoke else ctx.engine_rounds
     for r in range(rounds):
@@ -91,6 +176,8 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
                 [rng.randrange(t_arch.vocab_size) for _ in range(prompt_len)] for _ in range(batch)
             ]
             accepted_before = engine.spec_stats.num_accepted_tokens
+            steps_before, graphs_before = engine.num_steps, engine.target_runner.num_graph_runs
+            host.seconds = 0.0
             _sync(ctx)
             t0 = time.perf_counter()
             outs = engine.generate(prompts, params, speculative=ARMS[arm])
@@ -98,6 +185,15 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             tokens = sum(len(o.output_token_ids) for o in outs)
             tok_per_s[arm].append(tokens / wall)
+            steps = max(1, engine.num_steps - steps_before)
+            per_step[arm].append(
+                {
+                    "steps": steps,
+                    "wall_ms": wall / steps * 1e3,
+                    "controller_ms": host.seconds / steps * 1e3,
+                    "target_graph_replays": engine.target_runner.num_graph_runs - graphs_before,
+                }
+            )
             if arm == "adaptive":
                 s = engine.controller.stats()
                 controller_stats.append(
@@ -107,7 +203,13 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
                         **{k: v for k, v in s.items() if k != "acceptance_by_request"},
                     }
                 )
-            ctx.log(f"  engine batch {batch} round {r} {arm}: {tokens / wall:.1f} tok/s")
+            st = per_step[arm][-1]
+            ctx.log(
+                f"  engine batch {batch} round {r} {arm}: {tokens / wall:.1f} tok/s, "
+                f"{st['wall_ms']:.2f} ms/step over {st['steps']} steps "
+                f"({st['target_graph_replays']} graph replays), controller "
+                f"{st['controller_ms']:.3f} ms/step"
+            )
     medians = {arm: statistics.median(v) for arm, v in tok_per_s.items() if v}
     ratio = medians["adaptive"] / medians["plain"]
     free_ok = engine.allocator.num_free_blocks == engine.allocator.num_blocks
@@ -119,6 +221,7 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
     }
     kernels = type(engine.sampling_kernels).__name__
     engine_steps = engine.num_steps
+    memory = _runtime_memory(ctx, engine, memory_before)
     del engine
     ctx.free_memory()
     return {
@@ -129,6 +232,12 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
         "output_tokens": out_len,
         "engine_setup_s_incl_calibration": setup_s,
         "tok_per_s": tok_per_s,
+        "per_step": per_step,
+        "median_controller_ms_per_step": {
+            arm: statistics.median(r["controller_ms"] for r in v)
+            for arm, v in per_step.items()
+            if v
+        },
         "median_tok_per_s": medians,
         "adaptive_vs_plain": ratio,
         "fixed_k_vs_plain": medians["fixed_k"] / medians["plain"],
@@ -137,6 +246,7 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
         "sampling_kernels": kernels,
         "engine_steps": engine_steps,
         "kv_blocks_all_free_after": free_ok,
+        "runtime_memory": memory,
         "pass": ratio >= 0.97 and free_ok,
     }
 

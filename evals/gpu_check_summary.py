@@ -73,6 +73,12 @@ def summarize(results: dict[str, Any]) -> list[Row]:
             "info",
             None,
         )
+        mem = eng.get("runtime_memory")
+        if mem:
+            name = "engine runtime memory: needed / estimated"
+            add(name, mem["needed_vs_estimated"], "<= 1", mem["pass"])
+            name = "engine runtime memory: taken (allocator cache incl.) / estimated"
+            add(name, mem["taken_vs_estimated"], "info", None)
     prof = _stage(results, "kernel_profile")
     if prof:
         value = f"{prof['kernels_per_step']:.0f} / {prof['kernel_us_per_step'] / 1e3:.2f} ms"

@@ -8,6 +8,7 @@ microseconds per step of ``expect_prefill``, ``choose_k`` and ``observe``::
 
     python -m evals.profile_controller                 # every batch size and acceptance
     python -m evals.profile_controller --seqs 64 --acceptance 0.0 --profile  # plus cProfile
+    python -m evals.profile_controller --seqs 64 --mode off   # requests that never speculate
 
 The first ``--warmup`` steps (the controller settling, probes backing off) are not timed.
 """
@@ -54,12 +55,12 @@ def build(draft_cost: DraftCost, k_max: int = K_MAX, max_seqs: int = 64) -> Adap
     return controller
 
 
-def make_seqs(n: int, prompt_len: int = 8) -> list[Sequence]:
+def make_seqs(n: int, prompt_len: int = 8, mode: str = "auto") -> list[Sequence]:
     """Decode-ready sequences whose draft is caught up (as in ``tests/helpers_controller``)."""
     seqs = []
     for i in range(n):
         seq = Sequence(
-            i, f"req-{i}", list(range(prompt_len)), SamplingParams(max_tokens=10**6), "auto"
+            i, f"req-{i}", list(range(prompt_len)), SamplingParams(max_tokens=10**6), mode
         )
         seq.num_computed_tokens = seq.num_draft_computed_tokens = prompt_len - 1
         seqs.append(seq)
@@ -67,12 +68,18 @@ def make_seqs(n: int, prompt_len: int = 8) -> list[Sequence]:
 
 
 def run(
-    n: int, acceptance: float, steps: int, warmup: int, draft_cost: DraftCost = DRAFT, seed: int = 0
+    n: int,
+    acceptance: float,
+    steps: int,
+    warmup: int,
+    draft_cost: DraftCost = DRAFT,
+    seed: int = 0,
+    mode: str = "auto",
 ) -> tuple[dict[str, list[int]], float]:
     """Nanoseconds per call of each controller entry point over the timed steps, and the mean k
     chosen in them."""
     rng = random.Random(seed)
-    controller, seqs = build(draft_cost), make_seqs(n)
+    controller, seqs = build(draft_cost), make_seqs(n, mode=mode)
     times: dict[str, list[int]] = {"expect_prefill": [], "choose_k": [], "observe": []}
     clock, sum_k = time.perf_counter_ns, 0
     for step in range(warmup + steps):
@@ -106,6 +113,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--cheap-draft", action="store_true", help="draft costs CHEAP_DRAFT")
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "off", "on"],
+        default="auto",
+        help="the sequences' speculative mode",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile each run (top 25)")
     args = parser.parse_args()
     print(f"{'seqs':>5} {'accept':>6}  {'entry point':<15}{'median us':>10}{'mean us':>10}")
@@ -115,7 +128,7 @@ def main() -> None:
             if profiler:
                 profiler.enable()
             draft = CHEAP_DRAFT if args.cheap_draft else DRAFT
-            times, mean_k = run(n, a, args.steps, args.warmup, draft)
+            times, mean_k = run(n, a, args.steps, args.warmup, draft, mode=args.mode)
             if profiler:
                 profiler.disable()
             for name, ns in times.items():
