@@ -14,7 +14,8 @@ Each step (``choose_k``):
    enough that a gain predicted near the bar does not switch the batch on and off with the noise
    of each step (every switch back on pays the draft's catch-up on the tokens it skipped). A
    decision made beside a prefill chunk, priced differently, does not move the batch into the
-   band: only a decode-only step's decision does;
+   band: only a decode-only step's decision does; and the band belongs to the batch that drafted
+   (some of its sequences drafted at that decision), so a new wave of requests starts afresh;
 4. a sequence held at k = 0 has no new acceptance data, so now and then (after ``probe_every``
    steps, doubling after each poor probe, back to ``probe_every`` after a promising one) it
    drafts ``probe_k`` tokens for one step - but only when speculation could pay for it at a high
@@ -80,7 +81,7 @@ PROBE_PAYBACK_STEPS = 8
 @dataclass(frozen=True)
 class AdaptiveParams:
     margin: float = 0.03  # relative goodput gain needed to change the held decision
-    plain_margin: float = 0.05  # relative gain over all-plain needed to start speculating
+    plain_margin: float = 0.08  # relative gain over all-plain needed to start speculating
     plain_keep_margin: float = 0.02  # ... and to go on speculating (hysteresis band)
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
@@ -156,7 +157,10 @@ class AdaptiveController:
         self._num_decisions = 0
         self._num_observed = 0
         self._last = _Decision()
-        self._speculating = False  # the last decode-only decision drafted for some 'auto' sequence
+        # 'auto' sequences that drafted at the last decode-only decision, and whether any of
+        # them is in the batch being decided (it is then "speculating already")
+        self._drafting: frozenset[int] = frozenset()
+        self._speculating = False
         self._ready: dict[int, int] = {}  # seq_id -> raw draft catch-up rows, this step
         self._ready_fresh = False
         self.extra_tokens = 0.0  # estimated non-decode (prefill) rows per step
@@ -202,6 +206,10 @@ class AdaptiveController:
             self._expected_prefill = None
         now = self._num_decisions
         self.cost.pin_draft_factors()  # every decision, whichever path takes it
+        # Speculating already is a property of this batch, not of the last one: a batch of new
+        # requests after the previous ones finished has read none of its prompts into the draft
+        # and starts at the start bar (and after plain-first), whatever the last batch did.
+        self._speculating = not self._drafting.isdisjoint(s.seq_id for s in seqs)
         if not self._exact_reference and extra_tokens < 1:
             out = self._steady_plain(seqs, extra_tokens, extra_seqs)
             if out is not None:
@@ -232,8 +240,10 @@ class AdaptiveController:
         if extra_tokens < 1 and not self._speculating and self.params.plain_first:
             chosen = self._plain_first(seqs, terms, chosen)
         if extra_tokens < 1:  # decode-only: its decision sets which side of the band we are on
-            self._speculating = any(
-                k > 0 and t.fixed_k is None for k, t in zip(chosen, terms, strict=True)
+            self._drafting = frozenset(
+                seq.seq_id
+                for seq, k, t in zip(seqs, chosen, terms, strict=True)
+                if k > 0 and t.fixed_k is None
             )
         batch.assign(chosen)
         out = list(chosen)
@@ -366,7 +376,7 @@ class AdaptiveController:
         # (a known sequence held at 0, not probing, kept at 0 only has last_seen move).
         self._ready = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
         self._ready_fresh = True
-        self._speculating = False
+        self._drafting = frozenset()
         for seq in seqs:
             states[seq.seq_id].last_seen = now
         out = [0] * n
