@@ -1,13 +1,27 @@
-"""Synthetic engine steps for driving a speculation controller without models: the draft
-forwards a draft-model proposer would run, and one sequence's verify with a given acceptance.
+"""Synthetic engine steps for driving a speculation controller without models: decode-ready
+sequences, the draft forwards a draft-model proposer would run, and one sequence's verify with a
+given acceptance.
 Shared by the controller's tests and `evals.profile_controller`."""
 
 from __future__ import annotations
 
 import random
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from specdec.controller_base import SeqOutcome
+
+
+def make_seqs(n: int, start: int = 0, mode: str = "auto", prompt_len: int = 8) -> list[Sequence]:
+    """Decode-ready sequences whose draft is caught up (as after a few steps of decoding)."""
+    seqs = []
+    for i in range(start, start + n):
+        seq = Sequence(
+            i, f"req-{i}", list(range(prompt_len)), SamplingParams(max_tokens=10**6), mode
+        )
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = prompt_len - 1
+        seqs.append(seq)
+    return seqs
 
 
 def draft_forwards(seqs: list[Sequence], ks: list[int]) -> list[tuple[int, int]]:

@@ -22,9 +22,7 @@ import random
 import statistics
 import time
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from evals.controller_sim import draft_forwards, verify_step
+from evals.controller_sim import draft_forwards, make_seqs, verify_step
 from specdec.controller import AcceptanceTracker, AdaptiveController, AdaptiveParams, CostModel
 from specdec.controller.cost_model import DraftCost, DraftSample, TargetCost, TargetSample
 from specdec.controller.factory import INITIAL_ACCEPTANCE
@@ -53,18 +51,6 @@ def build(draft_cost: DraftCost, k_max: int = K_MAX, max_seqs: int = 64) -> Adap
     draft += [DraftSample(1, rows, 1, draft_cost(rows, 1)) for rows in (16, 64)]
     controller.cost.seed(target, draft)
     return controller
-
-
-def make_seqs(n: int, prompt_len: int = 8, mode: str = "auto") -> list[Sequence]:
-    """Decode-ready sequences whose draft is caught up (as in ``tests/helpers_controller``)."""
-    seqs = []
-    for i in range(n):
-        seq = Sequence(
-            i, f"req-{i}", list(range(prompt_len)), SamplingParams(max_tokens=10**6), mode
-        )
-        seq.num_computed_tokens = seq.num_draft_computed_tokens = prompt_len - 1
-        seqs.append(seq)
-    return seqs
 
 
 def run(

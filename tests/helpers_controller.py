@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from evals.controller_sim import draft_forwards, verify_step
 from specdec.controller.cost_model import DraftCost, TargetCost
@@ -13,18 +12,6 @@ from specdec.controller_base import SpeculationController, StepObservation
 
 # acceptance(seq, step) -> chance that each draft token is accepted
 AcceptanceFn = Callable[[Sequence, int], float]
-
-
-def make_seqs(n: int, start: int = 0, mode: str = "auto", prompt_len: int = 8) -> list[Sequence]:
-    """Decode-ready sequences whose draft is caught up (as after a few steps of decoding)."""
-    seqs = []
-    for i in range(start, start + n):
-        seq = Sequence(
-            i, f"req-{i}", list(range(prompt_len)), SamplingParams(max_tokens=10**6), mode
-        )
-        seq.num_computed_tokens = seq.num_draft_computed_tokens = prompt_len - 1
-        seqs.append(seq)
-    return seqs
 
 
 def simulate(

@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers_controller import make_seqs, simulate
+from helpers_controller import simulate
 from tiny_models import make_engine, tiny_hf_model
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
-from evals.controller_sim import draft_forwards, verify_step
+from evals.controller_sim import draft_forwards, make_seqs, verify_step
 from specdec.controller import (
     AcceptanceTracker,
     AdaptiveController,
