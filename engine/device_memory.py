@@ -38,7 +38,7 @@ def activation_bytes(arch: ModelArch, rows: int, dtype: torch.dtype) -> int:
     """Transient bytes of one decoder layer over ``rows`` token rows, counted as if alive at once:
     hidden state, residual, normed input and attention output; fused q/k/v; gate_up and the
     activated half (layers run one after another, so one layer's worth is the peak)."""
-    e = torch.empty(0, dtype=dtype).element_size()
+    e = dtype.itemsize
     qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
     per_row = 4 * arch.hidden_size + qkv + 3 * arch.intermediate_size
     return rows * per_row * e
@@ -47,7 +47,7 @@ def activation_bytes(arch: ModelArch, rows: int, dtype: torch.dtype) -> int:
 def logits_bytes(arch: ModelArch, rows: int, dtype: torch.dtype) -> int:
     """The lm_head's output for ``rows`` sampling rows in the model dtype plus the float32
     tensors sampling holds at once."""
-    e = torch.empty(0, dtype=dtype).element_size()
+    e = dtype.itemsize
     return rows * arch.vocab_size * (e + 4 * SAMPLING_FLOAT32_COPIES)
 
 
@@ -64,7 +64,7 @@ class RuntimeShapes:
 
 def runtime_bytes(arch: ModelArch, dtype: torch.dtype, shapes: RuntimeShapes) -> int:
     """Estimated device bytes one model's runner takes beyond its weights and KV pool."""
-    e = torch.empty(0, dtype=dtype).element_size()
+    e = dtype.itemsize
     eager = activation_bytes(arch, shapes.max_batched_tokens, dtype) + logits_bytes(
         arch, shapes.max_sampled_rows, dtype
     )

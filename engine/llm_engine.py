@@ -68,7 +68,7 @@ class LLMEngine:
         graph_q_lens = list(range(1, k_max + 2))
         # On CUDA: what workspaces, graphs and activations will take once the pool is fixed.
         self.runtime_reserve_bytes = (
-            self._runtime_reserve(k_max) if self.device.type == "cuda" else 0
+            self._runtime_reserve(graph_q_lens) if self.device.type == "cuda" else 0
         )
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(archs)
         if num_blocks * config.page_size < self.max_model_len + k_max:
@@ -159,19 +159,20 @@ class LLMEngine:
         )
         return num_blocks_for_budget(archs, self.config.page_size, self.dtype, max(0, budget))
 
-    def _runtime_reserve(self, k_max: int) -> int:
-        """Estimated device bytes of both runners beyond weights and KV (`device_memory`)."""
+    def _runtime_reserve(self, target_q_lens: list[int]) -> int:
+        """Estimated device bytes of both runners beyond weights and KV (`device_memory`), the
+        target's graphs at ``target_q_lens`` (1 .. k_max + 1)."""
         cfg = self.config
         buckets = batch_buckets(cfg.max_num_seqs) if self._uses_graphs else []
         common = {
             "max_batched_tokens": cfg.max_num_batched_tokens,
-            "max_sampled_rows": cfg.max_num_seqs * (k_max + 1),
+            "max_sampled_rows": cfg.max_num_seqs * max(target_q_lens),
             "float_workspace_bytes": WORKSPACE_BYTES,
         }
         total = runtime_bytes(
             self.target.arch,
             self.dtype,
-            RuntimeShapes(graph_batch_sizes=buckets, graph_q_lens=range(1, k_max + 2), **common),
+            RuntimeShapes(graph_batch_sizes=buckets, graph_q_lens=target_q_lens, **common),
         )
         if self.draft is not None:
             shapes = RuntimeShapes(graph_batch_sizes=buckets, graph_q_lens=DRAFT_Q_LENS, **common)

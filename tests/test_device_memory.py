@@ -95,9 +95,9 @@ def test_engine_reserve_covers_both_models_with_their_graph_shapes(monkeypatch) 
     want = runtime_bytes(t_arch, dt, shapes(range(1, 5))) + runtime_bytes(
         d_arch, dt, shapes(DRAFT_Q_LENS)
     )
-    assert engine._runtime_reserve(3) == want
+    assert engine._runtime_reserve([1, 2, 3, 4]) == want
     monkeypatch.setattr(LLMEngine, "_uses_graphs", property(lambda self: False))
-    no_graphs = engine._runtime_reserve(3)
+    no_graphs = engine._runtime_reserve([1, 2, 3, 4])
     assert no_graphs < want
 
 
