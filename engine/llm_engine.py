@@ -348,6 +348,8 @@ class LLMEngine:
             num_logits = 1 + len(drafts) if s.completes_prompt else 0
             entries.append(RunEntry(seq, tokens + drafts, seq.num_computed_tokens, num_logits))
         logits = self.target_runner.run(entries)  # [rows needing sampling, vocab]
+        # On a GPU the forward is still running: the controller's host work overlaps it here.
+        self.controller.while_target_runs()
 
         sampling = [(s, e) for s, e in zip(plan.scheduled, entries, strict=True) if e.num_logits]
         accepted: dict[int, list[int]] = {}

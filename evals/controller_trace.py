@@ -62,6 +62,9 @@ class TracingController:
     def expect_prefill(self, rows: int, seqs: int) -> None:
         self.inner.expect_prefill(rows, seqs)
 
+    def while_target_runs(self) -> None:
+        self.inner.while_target_runs()
+
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         ks = self.inner.choose_k(seqs)
         prior = self.model.acceptance.prior()

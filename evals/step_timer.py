@@ -60,6 +60,9 @@ class StepTimer:
     def expect_prefill(self, rows: int, seqs: int) -> None:
         self.inner.expect_prefill(rows, seqs)
 
+    def while_target_runs(self) -> None:
+        self.inner.while_target_runs()
+
     def observe(self, obs) -> None:
         self.totals.num_steps += 1
         self.totals.step_time += obs.step_time

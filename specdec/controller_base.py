@@ -38,6 +38,12 @@ class SpeculationController(Protocol):
         told by the engine just before ``choose_k`` so their cost is known, not guessed."""
         ...
 
+    def while_target_runs(self) -> None:
+        """Called once a step after the target forward is launched and before its results are
+        read: host work done here (refitting a cost model) overlaps the device's work on a GPU
+        instead of adding to the step. Decisions must not depend on whether it is called."""
+        ...
+
     def observe(self, obs: StepObservation) -> None:
         """Feed back one measured step."""
         ...
@@ -60,6 +66,9 @@ class StaticController:
 
     def expect_prefill(self, rows: int, seqs: int) -> None:
         pass  # fixed k: the step's shape does not change the decision
+
+    def while_target_runs(self) -> None:
+        pass
 
     def observe(self, obs: StepObservation) -> None:
         pass

@@ -884,16 +884,22 @@ class _ScriptedController:
         self.script = script
         self.returned: list[list[int]] = []
         self.observed: list[StepObservation] = []
+        self.calls: list[str] = []  # every call, in order
 
     def choose_k(self, seqs):
+        self.calls.append("choose_k")
         k = self.script[len(self.returned) % len(self.script)]
         self.returned.append([k] * len(seqs))
         return self.returned[-1]
 
     def expect_prefill(self, rows: int, seqs: int) -> None:
-        pass
+        self.calls.append("expect_prefill")
+
+    def while_target_runs(self) -> None:
+        self.calls.append("while_target_runs")
 
     def observe(self, obs) -> None:
+        self.calls.append("observe")
         self.observed.append(obs)
 
     def stats(self) -> dict:
@@ -959,6 +965,42 @@ def test_engine_reports_the_draft_forwards_it_ran(tiny_pair) -> None:
     assert later and all(f[0][0] <= 2 * (3 + 1) for f in later)  # 1 + accepted rows each
 
 
+def test_engine_gives_the_controller_the_target_forward_window_every_step(tiny_pair) -> None:
+    """Each step: the decision, then (the forward launched) ``while_target_runs``, then the
+    observation of that step; a step with no decode-ready sequence (prefill) is asked nothing
+    but still gets the window and is observed."""
+    engine = make_engine(*tiny_pair)
+    ctrl = engine.controller = _ScriptedController([0, 2])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("r0", [5, 6, 7, 8, 9], params)
+    steps = 0
+    while engine.has_unfinished():
+        before = len(ctrl.calls)
+        engine.step()
+        steps += 1
+        calls = [c for c in ctrl.calls[before:] if c != "expect_prefill"]
+        assert calls[-2:] == ["while_target_runs", "observe"]
+        assert calls[:-2] in ([], ["choose_k"])
+    assert ctrl.calls.count("while_target_runs") == steps == len(ctrl.observed)
+    assert ctrl.calls.count("choose_k") == steps - 1  # the prefill step had nothing to decide
+
+
+def test_deferred_refits_wait_for_the_window_and_then_match_eager_ones() -> None:
+    """With ``defer_refits`` a due refit waits for ``refit_if_due`` (the engine's overlap
+    window); run there, it gives the fit an eager model made from the same observations."""
+    eager, deferred = CostModel(GPU_TARGET, GPU_DRAFT), CostModel(GPU_TARGET, GPU_DRAFT)
+    deferred.defer_refits = True
+    for i in range(eager.refit_every):
+        for model in (eager, deferred):
+            model.observe_target(8 + i, 8, 1.5 * GPU_TARGET(8 + i, 8))
+    assert eager.num_fits == 1 and deferred.num_fits == 0
+    assert deferred.target == GPU_TARGET  # predictions use the last fit meanwhile
+    deferred.refit_if_due()
+    assert deferred.num_fits == 1 and deferred.to_dict() == eager.to_dict()
+    deferred.refit_if_due()  # nothing due: no refit
+    assert deferred.num_fits == 1
+
+
 def test_adaptive_controller_at_low_acceptance_never_drafts(tiny_pair) -> None:
     engine = make_engine(*tiny_pair)
     engine.controller = AdaptiveController(
@@ -1007,29 +1049,42 @@ def test_build_controller_calibrates_and_serves_the_engine(tiny_pair) -> None:
 # ---- host-time shortcuts change no decision -----------------------------------------------------
 
 
-def _trace(fast: AdaptiveController, ref: AdaptiveController, steps: int, seed: int) -> int:
+def _trace(
+    fast: AdaptiveController,
+    ref: AdaptiveController,
+    steps: int,
+    seed: int,
+    modes: tuple[str, ...] = ("auto",) * 10 + ("off", "on"),
+    overlap: bool = False,
+) -> dict[str, int]:
     """Run both controllers through one seeded trace (batch joins and finishes, acceptance that
-    drifts per sequence, 'on'/'off' requests, prefill chunks announced now and then) and assert
-    that every decision, predicted step time and counter agrees; returns how many decisions
-    the fast controller made without the search."""
+    drifts per sequence, requests in ``modes``, prefill chunks announced now and then; with
+    ``overlap``, ``while_target_runs`` between decision and observation, as the engine calls
+    it) and assert that every decision, predicted step time and counter agrees; returns how
+    many decisions the fast controller made by each shortcut."""
     rng = random.Random(seed)
     target, draft = GPU_TARGET, replace(GPU_DRAFT, per_forward=0.004)
     acceptance: dict[int, float] = {}
     seqs: list = []
-    next_id, steady = 0, 0
-    original = fast._steady_plain
+    next_id = 0
+    taken = {"_steady_plain": 0, "_pinned": 0}
 
-    def counted(*args):
-        nonlocal steady
-        out = original(*args)
-        steady += out is not None
-        return out
+    def counted(name: str):
+        original = getattr(fast, name)
 
-    fast._steady_plain = counted  # type: ignore[method-assign]
+        def call(*args):
+            out = original(*args)
+            taken[name] += out is not None
+            return out
+
+        return call
+
+    for name in taken:
+        setattr(fast, name, counted(name))
     for step in range(steps):
         phase = (step // 150) % 3  # 0: mixed, 1: poor drafts (batch settles plain), 2: good
         if rng.random() < 0.05 or not seqs:  # a request joins
-            mode = rng.choice(["auto"] * 10 + ["off", "on"])
+            mode = rng.choice(modes)
             [seq] = make_seqs(1, start=next_id, mode=mode, prompt_len=rng.choice([8, 40]))
             seq.params = SamplingParams(max_tokens=rng.choice([20, 200, 10**6]))
             seq.num_draft_computed_tokens = rng.choice([seq.num_draft_computed_tokens, 0])
@@ -1045,6 +1100,9 @@ def _trace(fast: AdaptiveController, ref: AdaptiveController, steps: int, seed: 
         ks = fast.choose_k(seqs)
         assert ks == ref.choose_k(seqs), f"step {step}"
         assert fast.predicted_step_time_s == ref.predicted_step_time_s
+        if overlap:
+            fast.while_target_runs()
+            ref.while_target_runs()
         forwards = draft_forwards(seqs, ks)
         outcomes = []
         for seq, k in zip(seqs, ks, strict=True):
@@ -1064,15 +1122,11 @@ def _trace(fast: AdaptiveController, ref: AdaptiveController, steps: int, seed: 
         assert getattr(fast, name) == getattr(ref, name), name
     assert fast.num_changes == ref.num_changes
     assert fast.cost.to_dict() == ref.cost.to_dict()
-    return steady
+    assert fast.stats() == ref.stats()
+    return taken
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_fast_path_decides_exactly_as_the_full_computation(seed: int) -> None:
-    """Caches, memoised objective values, the steady-plain shortcut and the faster fitting give
-    the very decisions (k per sequence, probes, hysteresis) of the full computation, step for
-    step, over a trace that exercises all of them."""
-
+def _fast_and_reference() -> tuple[AdaptiveController, AdaptiveController]:
     def make() -> AdaptiveController:
         ctrl = AdaptiveController(
             K_MAX, cost=CostModel(GPU_TARGET, GPU_DRAFT), acceptance=AcceptanceTracker(K_MAX)
@@ -1085,9 +1139,29 @@ def test_the_fast_path_decides_exactly_as_the_full_computation(seed: int) -> Non
 
     fast, ref = make(), make()
     ref._exact_reference = ref.cost.exact_reference = True
-    steady = _trace(fast, ref, 600, seed)
-    assert steady > 100  # the shortcut was taken (and agreed)
+    return fast, ref
+
+
+@pytest.mark.parametrize(("seed", "overlap"), [(0, False), (1, False), (2, True)])
+def test_the_fast_path_decides_exactly_as_the_full_computation(seed: int, overlap: bool) -> None:
+    """Caches, memoised objective values, the steady-plain shortcut and the faster fitting give
+    the very decisions (k per sequence, probes, hysteresis) of the full computation, step for
+    step, over a trace that exercises all of them (with refits in the engine's overlap window
+    too)."""
+    fast, ref = _fast_and_reference()
+    taken = _trace(fast, ref, 600, seed, overlap=overlap)
+    assert taken["_steady_plain"] > 100  # the shortcut was taken (and agreed)
     assert fast.num_probes > 0 and fast.num_changes > 0
+
+
+def test_a_batch_without_auto_requests_is_decided_exactly_as_the_full_computation() -> None:
+    """An A/B arm or an eval ('on'/'off' requests only, now and then an 'auto' one among them):
+    the pinned shortcut gives the full computation's decisions, and its lazily computed
+    prediction (stats, traces) the full computation's numbers."""
+    fast, ref = _fast_and_reference()
+    taken = _trace(fast, ref, 400, 3, modes=("off",) * 6 + ("on",) * 3 + ("auto",), overlap=True)
+    assert taken["_pinned"] > 100
+    assert fast.num_changes > 0
 
 
 def test_draft_feature_columns_match_the_per_sample_sums() -> None:

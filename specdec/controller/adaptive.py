@@ -52,10 +52,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from specdec.controller.acceptance import AcceptanceTracker, expected_tokens_table
 from specdec.controller.cost_model import CostModel
@@ -121,11 +124,44 @@ class _SeqState:
     last_seen: int = 0
 
 
-@dataclass
 class _Decision:
-    ks: list[int] = field(default_factory=list)
-    goodput: float = 0.0  # predicted tokens / s
-    step_time: float = 0.0  # predicted seconds
+    """The k's of the last decision and the goodput (tokens / s) and step seconds predicted for
+    them; a decision taken without pricing it (``_pinned``) is priced when first asked."""
+
+    def __init__(
+        self,
+        ks: list[int] | None = None,
+        goodput: float = 0.0,
+        step_time: float = 0.0,
+        price: Callable[[], tuple[float, float]] | None = None,
+    ) -> None:
+        self.ks = ks if ks is not None else []
+        self._price = price
+        self._priced = (goodput, step_time)
+
+    def _get(self) -> tuple[float, float]:
+        if self._price is not None:
+            self._priced, self._price = self._price(), None
+        return self._priced
+
+    @property
+    def goodput(self) -> float:
+        return self._get()[0]
+
+    @property
+    def step_time(self) -> float:
+        return self._get()[1]
+
+
+class _SeqSnapshot(NamedTuple):
+    """What pricing a decision reads of a sequence, as it was when the decision was taken."""
+
+    seq_id: int
+    spec_mode: str
+    num_tokens: int
+    num_draft_computed_tokens: int
+    num_output_tokens: int
+    params: SamplingParams
 
 
 class AdaptiveController:
@@ -210,6 +246,10 @@ class AdaptiveController:
         # requests after the previous ones finished has read none of its prompts into the draft
         # and starts at the start bar (and after plain-first), whatever the last batch did.
         self._speculating = not self._drafting.isdisjoint(s.seq_id for s in seqs)
+        if not self._exact_reference:
+            out = self._pinned(seqs, extra_tokens, extra_seqs)
+            if out is not None:
+                return out
         if not self._exact_reference and extra_tokens < 1:
             out = self._steady_plain(seqs, extra_tokens, extra_seqs)
             if out is not None:
@@ -258,6 +298,51 @@ class AdaptiveController:
         batch.assign(out)  # the predicted step below is the one that will run
         self._update_states(seqs, chosen, set(probes))
         self._last = _Decision(out, batch.tokens_per_s(), batch.step_time())
+        self._forget_stale()
+        return out
+
+    def _pinned(
+        self, seqs: list[Sequence], extra_tokens: float, extra_seqs: float
+    ) -> list[int] | None:
+        """The decision for a batch without 'auto' sequences (an A/B arm, an eval), else None.
+
+        Every k is fixed ('on': as many as max_tokens can use, 'off': 0), so the search, the bar
+        and every probe (all of them move 'auto' sequences only) leave it as it is: this is the
+        decision the full computation makes, with the same side effects, minus its pricing, which
+        only stats and traces read and which is done if and when they ask.
+        """
+        out, ready, fields = [], {}, []
+        for seq in seqs:
+            mode = seq.spec_mode
+            if mode == "off":
+                out.append(0)
+            elif mode == "on":
+                out.append(self._max_useful_k(seq))
+            else:
+                return None
+            n, drafted = seq.num_tokens, seq.num_draft_computed_tokens
+            ready[seq.seq_id] = max(1, n - drafted)
+            fields.append((seq.seq_id, mode, n, drafted, seq.num_output_tokens, seq.params))
+        self._ready, self._ready_fresh = ready, True
+        if extra_tokens < 1:
+            self._drafting = frozenset()
+        self._update_states(seqs, out, set())
+
+        def price() -> tuple[float, float]:
+            snapshot = [_SeqSnapshot(*f) for f in fields]
+            terms = self._all_terms(snapshot, self.acceptance.prior())
+            batch = BatchGoodput(
+                terms,
+                self.cost,
+                self.k_max,
+                extra_tokens,
+                extra_seqs,
+                self.per_position_forwards,
+            )
+            batch.assign(out)
+            return batch.tokens_per_s(), batch.step_time()
+
+        self._last = _Decision(out, price=price)
         self._forget_stale()
         return out
 
@@ -328,20 +413,29 @@ class AdaptiveController:
         cache, prior, k_max = self._gains, None, self.k_max
         tables, free = [], []  # expected-tokens tables of the sequences free to draft, and they
         due, due_seqs = [], []  # on a probe step: optimistic tables of those due for a probe
+        ready = {}  # what choose_k records as _ready (raw catch-up rows), if this decides
+        # This loop runs for every sequence every step a batch sits plain: written for speed
+        # (conditionals rather than min/max calls, one pass).
         for seq in seqs:
             seq_id = seq.seq_id
             st = states.get(seq_id)
             if st is None or st.k != 0 or st.probing:
                 return None
+            raw = seq.num_tokens - seq.num_draft_computed_tokens
+            ready[seq_id] = raw if raw > 1 else 1
             mode = seq.spec_mode
             if mode == "off":
                 continue
             if mode != "auto":
                 return None
             max_tokens = seq.params.max_tokens  # _max_useful_k, inlined
-            remaining = 256 if max_tokens is None else max(1, max_tokens - seq.num_output_tokens)
-            room = max(0, min(k_max, remaining - 1))
-            if room == 0:
+            if max_tokens is None:
+                room = k_max if k_max < 255 else 255
+            else:
+                remaining = max_tokens - seq.num_output_tokens
+                room = (remaining if remaining > 1 else 1) - 1
+                room = k_max if k_max < room else room
+            if room <= 0:
                 continue
             if probe_step and now - st.zero_since >= st.probe_interval:
                 due.append(self._optimistic_table(seq_id, room))
@@ -374,8 +468,7 @@ class AdaptiveController:
             return None
         # Side effects of the full decision on this outcome: see choose_k and _update_states
         # (a known sequence held at 0, not probing, kept at 0 only has last_seen move).
-        self._ready = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
-        self._ready_fresh = True
+        self._ready, self._ready_fresh = ready, True
         self._drafting = frozenset()
         for seq in seqs:
             states[seq.seq_id].last_seen = now
@@ -463,7 +556,9 @@ class AdaptiveController:
             self._gains_inserts += 1
             self._gains_key = (self.acceptance, self.acceptance.version)
 
-    def _all_terms(self, seqs: list[Sequence], prior: list[float]) -> list[SeqTerms]:
+    def _all_terms(
+        self, seqs: list[Sequence] | list[_SeqSnapshot], prior: list[float]
+    ) -> list[SeqTerms]:
         """``_terms`` for every sequence, expected-tokens tables cached while the
         acceptance tracker has seen nothing new (the same tables: the same arithmetic)."""
         self._check_gains_cache()
@@ -494,7 +589,7 @@ class AdaptiveController:
         rows, catchup_s = self._catchup(seq, CATCHUP_PAYBACK_STEPS)
         return SeqTerms(gains, rows, fixed, catchup_s)
 
-    def _catchup(self, seq: Sequence, payback_steps: int) -> tuple[float, float]:
+    def _catchup(self, seq: Sequence | _SeqSnapshot, payback_steps: int) -> tuple[float, float]:
         """(rows the sequence adds to the first draft forward, seconds charged to this step for
         the rest of its draft's catch-up) if it drafts.
 
@@ -529,12 +624,12 @@ class AdaptiveController:
         whole = self.cost.draft_time([(raw_rows, 1)])
         return max(0.0, whole - self.cost.draft_time([(2, 1)]))
 
-    def _remaining_tokens(self, seq: Sequence) -> int:
+    def _remaining_tokens(self, seq: Sequence | _SeqSnapshot) -> int:
         if seq.params.max_tokens is None:
             return 256
         return max(1, seq.params.max_tokens - seq.num_output_tokens)
 
-    def _max_useful_k(self, seq: Sequence) -> int:
+    def _max_useful_k(self, seq: Sequence | _SeqSnapshot) -> int:
         # Drafts beyond max_tokens can never be committed (the scheduler clips them too).
         return max(0, min(self.k_max, self._remaining_tokens(seq) - 1))
 
@@ -751,6 +846,15 @@ class AdaptiveController:
         self.acceptance.forget(seq_id)
 
     # ---- measurements -----------------------------------------------------------------------
+    def while_target_runs(self) -> None:
+        """Refit the cost model if a refit is due, while the device runs the target forward.
+
+        From the first call on, refits wait for this window instead of running inside
+        ``observe`` (on the step's critical path): each refit then takes effect one decision
+        later, a delay far below the fit's window of hundreds of steps."""
+        self.cost.defer_refits = True
+        self.cost.refit_if_due()
+
     def observe(self, obs: StepObservation) -> None:
         self._num_observed += 1
         for o in obs.outcomes:

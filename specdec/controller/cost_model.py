@@ -372,6 +372,12 @@ class CostModel:
 
     ``observe_target`` / ``observe_draft`` add live samples to a sliding window (newest weight 1,
     older ones decaying by ``decay`` per sample); ``seed`` adds calibration anchors and refits.
+
+    A refit falls due every ``refit_every`` target observations and runs at once, or, with
+    ``defer_refits``, when ``refit_if_due`` is next called (predictions in between use the last
+    fit): the controller defers them to the window where the device runs the target forward, so
+    on a GPU a refit, milliseconds of host time with a knee search, is off the step's critical
+    path.
     """
 
     def __init__(
@@ -390,6 +396,8 @@ class CostModel:
         min_measured: int = 3,
         stale_after: int = 256,
     ) -> None:
+        self.defer_refits = False
+        self._fit_due = False  # refit_every observations since the last fit
         self.target = target
         self.draft = draft
         self.prior_target = target
@@ -445,6 +453,11 @@ class CostModel:
         self._since_fit = 0
 
     # ---- prediction -------------------------------------------------------------------------
+    def refit_if_due(self) -> None:
+        """Run the refit that ``refit_every`` observations made due, if any (see the class doc)."""
+        if self._fit_due:
+            self.refit(search_knee=self.num_fits % max(1, self.knee_every // self.refit_every) == 0)
+
     def target_time(self, num_tokens: float, num_seqs: float) -> float:
         return self.target_curve()(num_tokens, num_seqs)
 
@@ -676,7 +689,9 @@ class CostModel:
         self.num_observations += 1
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
-            self.refit(search_knee=self.num_fits % max(1, self.knee_every // self.refit_every) == 0)
+            self._fit_due = True
+            if not self.defer_refits:
+                self.refit_if_due()
 
     def _weights(self, n_live: int, n_anchor: int) -> np.ndarray:
         live = self.decay ** np.arange(n_live - 1, -1, -1, dtype=np.float64)  # newest = 1
@@ -684,6 +699,7 @@ class CostModel:
 
     # ---- fitting ----------------------------------------------------------------------------
     def refit(self, search_knee: bool = False) -> None:
+        self._fit_due = False
         self._since_fit = 0
         self._curve = None
         self._drop_draft_factors()
