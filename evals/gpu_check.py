@@ -155,8 +155,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-steps", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--engine-batch", type=int, default=64, help="engine_controller requests")
-    p.add_argument("--engine-tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--engine-rounds", type=int, default=2, help="arms interleaved per round")
+    p.add_argument("--engine-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--engine-rounds", type=int, default=5, help="arms interleaved per round")
+    p.add_argument(
+        "--engine-gc-freeze",
+        action="store_true",
+        help="engine_controller: gc.freeze() the start-up heap before the timed rounds",
+    )
     p.add_argument("--only", default="", help="comma-separated stage names to run")
     return p.parse_args(argv)
 
@@ -187,6 +192,7 @@ def make_context(args: argparse.Namespace) -> CheckContext:
         engine_batch=args.engine_batch,
         engine_tokens=args.engine_tokens,
         engine_rounds=args.engine_rounds,
+        engine_gc_freeze=args.engine_gc_freeze,
         deadline=time.monotonic() + args.budget_s,
     )
 

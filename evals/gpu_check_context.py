@@ -37,6 +37,7 @@ class CheckContext:
     engine_tokens: int
     engine_rounds: int
     deadline: float  # time.monotonic() after which stages are skipped
+    engine_gc_freeze: bool = False
     started: float = field(default_factory=time.monotonic)
     results: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)  # models and graphs reused by stages
