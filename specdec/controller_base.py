@@ -41,7 +41,8 @@ class SpeculationController(Protocol):
     def while_target_runs(self) -> None:
         """Called once a step after the target forward is launched and before its results are
         read: host work done here (refitting a cost model) overlaps the device's work on a GPU
-        instead of adding to the step. Decisions must not depend on whether it is called."""
+        instead of adding to the step. A controller that defers work to it must still work
+        where it is never called (a simulation, a caller without a device)."""
         ...
 
     def observe(self, obs: StepObservation) -> None:

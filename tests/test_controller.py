@@ -29,6 +29,7 @@ from specdec.controller import (
 )
 from specdec.controller import adaptive as adaptive_module
 from specdec.controller.goodput import BatchGoodput, SeqTerms
+from specdec.controller.realized import RealizedGoodput
 from specdec.controller_base import SeqOutcome, StepObservation
 
 K_MAX = 4
@@ -153,6 +154,63 @@ def test_a_new_batch_after_a_speculating_one_must_clear_the_start_bar() -> None:
 
     assert second_batch(start=1) == [0]  # a new request: 5% does not clear the 8% start bar
     assert second_batch(start=0) == [1]  # the same request: within the band, it goes on
+
+
+def test_a_batch_size_that_measured_speculation_paying_starts_at_the_keep_bar() -> None:
+    """k = 1 predicted 5% faster than plain: a new request does not start at the 8% bar. Where
+    requests of its batch size ran speculating decode steps lately that measured clearly more
+    tokens/s than their plain steps (all drafts accepted: +54%), the gain was seen, not just
+    predicted, and it starts at the 2% keep bar. Speculating steps that measured less (no draft
+    accepted), the switch off, or steps of an A/B arm ('on' requests) leave the bar at 8%."""
+    target = flat_target(0.010)
+    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
+    never = 10**9
+
+    def new_request_after(accepted: int, mode: str = "auto", **params: object) -> list[int]:
+        ctrl = controller(
+            0.365,
+            target,
+            draft,
+            probe_every=never,
+            cost_probe_every=never,
+            shape_probe_every=never,
+            **params,
+        )
+        seqs = make_seqs(1, mode=mode)
+        for drafted in (0, 1):  # 8 plain steps, then 8 speculating ones, priced as the model says
+            for _ in range(8):
+                ctrl.choose_k(seqs)
+                outcome = SeqOutcome(seqs[0], drafted, accepted if drafted else 0)
+                t_draft = 0.003 * drafted
+                forwards = [(1, 1)] if drafted else []
+                ctrl.observe(
+                    StepObservation(
+                        0.010 + t_draft, t_draft, 0.010, 1 + drafted, 1, forwards, [outcome]
+                    )
+                )
+        ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.365)  # k = 1 predicted 5% faster
+        return ctrl.choose_k(make_seqs(1, start=1))
+
+    assert new_request_after(accepted=1) == [1]
+    assert new_request_after(accepted=0) == [0]
+    assert new_request_after(accepted=1, measured_gain_lowers_start_bar=False) == [0]
+    assert new_request_after(accepted=1, mode="on") == [0]
+
+
+def test_realized_goodput_needs_enough_recent_steps_of_that_very_size() -> None:
+    realized = RealizedGoodput(window=32, max_age=100, min_steps=8)
+    for t in range(7):
+        realized.observe(4, False, 4, 0.4, t)  # 10 tokens/s plain
+        realized.observe(4, True, 6, 0.5, t)  # 12 tokens/s speculating
+        realized.observe(4, True, 6, 0.0, t)  # no time measured: ignored
+    assert realized.gain(4, 7) is None  # 7 steps a side
+    realized.observe(4, False, 4, 0.4, 7)
+    realized.observe(4, True, 6, 0.5, 7)
+    assert realized.gain(4, 8) == pytest.approx(0.2)
+    assert realized.gain(8, 8) is None  # no steps of 8 decodes
+    assert realized.gain(4, 107) is None  # the oldest step is too old: 7 recent ones a side
+    realized.observe(4, True, 2, 0.5, 8)  # a slow speculating step: the median moves little
+    assert realized.gain(4, 9) == pytest.approx(0.2)
 
 
 def test_a_long_draft_catch_up_must_pay_off_within_a_few_steps() -> None:

@@ -15,7 +15,10 @@ Each step (``choose_k``):
    of each step (every switch back on pays the draft's catch-up on the tokens it skipped). A
    decision made beside a prefill chunk, priced differently, does not move the batch into the
    band: only a decode-only step's decision does; and the band belongs to the batch that drafted
-   (some of its sequences drafted at that decision), so a new wave of requests starts afresh;
+   (some of its sequences drafted at that decision), so a new wave of requests starts afresh.
+   A batch whose size measured speculating decode steps at ``plain_margin`` more tokens/s than
+   plain ones lately (``RealizedGoodput``) starts at the keep bar: the gain was seen, not just
+   predicted;
 4. a sequence held at k = 0 has no new acceptance data, so now and then (after ``probe_every``
    steps, doubling after each poor probe, back to ``probe_every`` after a promising one) it
    drafts ``probe_k`` tokens for one step - but only when speculation could pay for it at a high
@@ -63,11 +66,13 @@ from engine.sequence import Sequence
 from specdec.controller.acceptance import AcceptanceTracker, expected_tokens_table
 from specdec.controller.cost_model import CostModel
 from specdec.controller.goodput import BatchGoodput, SeqTerms
-from specdec.controller_base import StepObservation
+from specdec.controller.realized import RealizedGoodput
+from specdec.controller_base import SeqOutcome, StepObservation
 
 logger = logging.getLogger(__name__)
 
 _FORGET_AFTER = 1024  # decisions without seeing a sequence before its state is dropped
+_FORGET_EVERY = 64  # ... looked for every this many decisions (a pass over every state)
 # Steps of speculation over which the draft's catch-up on unseen tokens (a whole prompt, or all
 # that was decoded plainly since it last drafted) must pay off. Charged over the rest of a long
 # reply (two tokens a step) it looks cheap, but decisions change long before that (a batch
@@ -86,6 +91,10 @@ class AdaptiveParams:
     margin: float = 0.03  # relative goodput gain needed to change the held decision
     plain_margin: float = 0.08  # relative gain over all-plain needed to start speculating
     plain_keep_margin: float = 0.02  # ... and to go on speculating (hysteresis band)
+    # A batch size whose recent speculating decode steps measured at least ``plain_margin``
+    # more tokens/s than its recent plain ones (``RealizedGoodput``) starts at the keep bar:
+    # the gain the start bar guards against over-predicting was measured.
+    measured_gain_lowers_start_bar: bool = True
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
     probe_k: int = 2
@@ -192,6 +201,10 @@ class AdaptiveController:
         self._states: dict[int, _SeqState] = {}
         self._num_decisions = 0
         self._num_observed = 0
+        self.realized = RealizedGoodput()
+        # decisions to start speculating that cleared the keep bar, not the start bar, because
+        # the batch's size measured speculation paying lately
+        self.num_measured_starts = 0
         self._last = _Decision()
         # 'auto' sequences that drafted at the last decode-only decision, and whether any of
         # them is in the batch being decided (it is then "speculating already")
@@ -357,13 +370,32 @@ class AdaptiveController:
         than those errors is not worth taking.
         """
         plain = batch.clamp([0] * len(chosen))
-        p = self.params
-        margin = min(p.plain_margin, p.plain_keep_margin) if self._speculating else p.plain_margin
-        if chosen == plain or margin <= 0:
+        if chosen == plain:
+            return chosen
+        margin = self._bar(len(chosen))
+        if margin <= 0:
             return chosen
         v_chosen = batch.assign(chosen)
         v_plain = batch.assign(plain)
-        return chosen if v_chosen > v_plain * (1.0 + margin) else plain
+        if v_chosen <= v_plain * (1.0 + margin):
+            return plain
+        if not self._speculating and margin < self.params.plain_margin:
+            self.num_measured_starts += 1
+        return chosen
+
+    def _bar(self, num_decodes: int) -> float:
+        """The gain over all-plain speculation must be predicted to have: ``plain_keep_margin``
+        for a batch speculating already, or one whose size measured speculation paying lately
+        (``measured_gain_lowers_start_bar``); else ``plain_margin``."""
+        p = self.params
+        keep = min(p.plain_margin, p.plain_keep_margin)
+        if self._speculating:
+            return keep
+        if p.measured_gain_lowers_start_bar:
+            gain = self.realized.gain(num_decodes, self._num_observed)
+            if gain is not None and gain >= p.plain_margin:
+                return keep
+        return p.plain_margin
 
     def _plain_first(
         self, seqs: list[Sequence], terms: list[SeqTerms], chosen: list[int]
@@ -405,8 +437,10 @@ class AdaptiveController:
         search would have made it, with the same side effects.
         """
         now, p, states = self._num_decisions, self.params, self._states
-        margin = min(p.plain_margin, p.plain_keep_margin) if self._speculating else p.plain_margin
-        if margin <= 0 or not seqs:
+        if not seqs:
+            return None
+        margin = self._bar(len(seqs))
+        if margin <= 0:
             return None
         probe_step = now % p.probe_every == 0
         self._check_gains_cache()
@@ -421,6 +455,7 @@ class AdaptiveController:
             st = states.get(seq_id)
             if st is None or st.k != 0 or st.probing:
                 return None
+            st.last_seen = now  # as _update_states sets it (the full computation, if not this)
             raw = seq.num_tokens - seq.num_draft_computed_tokens
             ready[seq_id] = raw if raw > 1 else 1
             mode = seq.spec_mode
@@ -467,11 +502,10 @@ class AdaptiveController:
         ):
             return None
         # Side effects of the full decision on this outcome: see choose_k and _update_states
-        # (a known sequence held at 0, not probing, kept at 0 only has last_seen move).
+        # (a known sequence held at 0, not probing, kept at 0 only has last_seen move, which
+        # the loop above did).
         self._ready, self._ready_fresh = ready, True
         self._drafting = frozenset()
-        for seq in seqs:
-            states[seq.seq_id].last_seen = now
         out = [0] * n
         self._last = _Decision(out, n / step_time, step_time)
         self._forget_stale()
@@ -838,6 +872,8 @@ class AdaptiveController:
 
     def _forget_stale(self) -> None:
         now = self._num_decisions
+        if now % _FORGET_EVERY:
+            return
         for seq_id in [i for i, st in self._states.items() if now - st.last_seen > _FORGET_AFTER]:
             self._forget(seq_id)
 
@@ -869,7 +905,18 @@ class AdaptiveController:
         self.cost.observe_target(
             obs.num_target_tokens, obs.num_seqs, max(obs.step_time - obs.draft_time, 1e-9)
         )
-        self._observe_prefill(obs)
+        decodes, prefill_rows = self._observe_prefill(obs)
+        decode_only = decodes and prefill_rows == 0 and len(decodes) == obs.num_seqs
+        # Only 'auto' batches: an A/B arm's or an eval's steps say nothing of what the
+        # controller's own speculation pays.
+        if decode_only and all(o.seq.spec_mode == "auto" for o in decodes):
+            self.realized.observe(
+                len(decodes),
+                any(o.num_drafted > 0 for o in decodes),
+                sum(1 + o.num_accepted for o in decodes),
+                obs.step_time,
+                self._num_observed,
+            )
         if any(o.seq.spec_mode == "auto" for o in obs.outcomes):
             # The budget is a share of the time 'auto' sequences ran: steps of 'on' and 'off'
             # requests alone (an A/B arm, an eval) do not pay for probing 'auto' ones.
@@ -896,8 +943,9 @@ class AdaptiveController:
             forwards.append((rows0 if j == 0 else seqs, seqs))
         return forwards
 
-    def _observe_prefill(self, obs: StepObservation) -> None:
-        """Track the rows of the step that were not decodes (prefill chunks) as a moving average."""
+    def _observe_prefill(self, obs: StepObservation) -> tuple[list[SeqOutcome], int]:
+        """Track the rows of the step that were not decodes (prefill chunks) as a moving average;
+        returns the step's decodes (the sequences this step's decision covered) and those rows."""
         ready = self._ready if self._ready_fresh else {}
         decodes = [o for o in obs.outcomes if o.seq.seq_id in ready]
         rows = obs.num_target_tokens - sum(1 + o.num_drafted for o in decodes)
@@ -905,6 +953,7 @@ class AdaptiveController:
         w = self.params.prefill_ema
         self.extra_tokens = (1 - w) * self.extra_tokens + w * max(0, rows)
         self.extra_seqs = (1 - w) * self.extra_seqs + w * max(0, seqs)
+        return decodes, rows
 
     # ---- visibility -------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -929,6 +978,7 @@ class AdaptiveController:
             "num_cost_probes": self.num_cost_probes,
             "num_shape_probes": self.num_shape_probes,
             "num_decision_changes": self.num_changes,
+            "num_measured_starts": self.num_measured_starts,
             "acceptance_prior": [round(a, 4) for a in prior],
             "mean_acceptance": sum(first) / len(first) if first else prior[0],
             "acceptance_by_request": by_request,
