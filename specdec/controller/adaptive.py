@@ -448,6 +448,7 @@ class AdaptiveController:
         tables, free = [], []  # expected-tokens tables of the sequences free to draft, and they
         due, due_seqs = [], []  # on a probe step: optimistic tables of those due for a probe
         ready = {}  # what choose_k records as _ready (raw catch-up rows), if this decides
+        most_rows, most_gain = 0, 0.0  # of the free sequences: sum of rooms, of E(room) - 1
         # This loop runs for every sequence every step a batch sits plain: written for speed
         # (conditionals rather than min/max calls, one pass).
         for seq in seqs:
@@ -481,8 +482,11 @@ class AdaptiveController:
                 table = self.acceptance.expected_table(seq_id, prior, room)
                 hit = cache[seq_id] = (room, table)
                 self._gains_inserts += 1
-            tables.append(hit[1])
+            table = hit[1]
+            tables.append(table)
             free.append(seq)
+            most_rows += len(table) - 1
+            most_gain += table[-1] - 1.0
         n = len(seqs)
         num_seqs = n + extra_seqs
         curve = self.cost.target_curve()
@@ -490,9 +494,10 @@ class AdaptiveController:
         step_time = max(curve(extra_tokens + n, num_seqs), 1e-9)
         plain = (n, extra_tokens + n, num_seqs, step_time)
         # Catch-up seconds only when the bound needs them (they change every step).
+        sums = (most_rows, most_gain)
         if tables and not (
-            self._plain_bound(tables, *plain, margin)
-            or self._plain_bound(tables, *plain, margin, self._catchups(free, False))
+            self._plain_bound(tables, *plain, margin, sums=sums)
+            or self._plain_bound(tables, *plain, margin, self._catchups(free, False), sums)
         ):
             return None
         # Due sequences are probed only if, at an optimistic acceptance and everything else
@@ -540,6 +545,7 @@ class AdaptiveController:
         plain_time: float,
         margin: float,
         catchup_s: list[float] | None = None,
+        sums: tuple[int, float] | None = None,
     ) -> bool:
         """Whether no assignment that drafts at all can beat plain by ``margin``.
 
@@ -553,10 +559,13 @@ class AdaptiveController:
         sum_i max_{k <= kappa} (E_i(k) - 1 - c b k) <= c A + c a kappa - n. Given the catch-up
         seconds C_i each sequence adds if it drafts (``catchup_s``, in ``tables``' order; else
         none are counted, which only weakens the bound), every drafting term also loses c C_i.
-        A 1e-6 slack in c covers the rounding of every value involved.
+        ``sums``: (sum_i room_i, sum_i (E_i(room_i) - 1)) where the caller added them up
+        already. A 1e-6 slack in c covers the rounding of every value involved.
         """
         draft = self.cost.draft_bound(self.per_position_forwards)
-        most_rows = sum(len(t) - 1 for t in tables)
+        if sums is None:
+            sums = (sum(len(t) - 1 for t in tables), sum(t[-1] - 1.0 for t in tables))
+        most_rows, most_gain = sums
         target = self.cost.target_curve().lower_bound(
             plain_rows + 1, plain_rows + most_rows, num_seqs
         )
@@ -565,7 +574,7 @@ class AdaptiveController:
         per_forward, per_row = draft
         c = n / plain_time * (1 + margin) / (1 + 1e-6)
         # Coarse first: every sequence at its longest draft in the cheapest drafting step.
-        most_tokens = n + sum(t[-1] - 1.0 for t in tables)
+        most_tokens = n + most_gain
         if catchup_s is None and most_tokens <= c * (target + per_forward + per_row):
             return True
         k_max = self.k_max

@@ -59,6 +59,7 @@ two shapes is the one the controller makes every step.
 from __future__ import annotations
 
 import bisect
+import copy
 import functools
 import itertools
 import math
@@ -134,6 +135,13 @@ class TargetCurve:
         self.seconds = [t for _, t, _ in points]
         self.seqs = [float(s) for _, _, s in points]
         self.parametric = parametric
+        self._lower: dict[tuple[float, float, float], float | None] = {}  # lower_bound's answers
+
+    def with_shapes(self, shapes: dict[tuple[int, int], float]) -> TargetCurve:
+        """This curve plus exact shapes (the points are shared: a curve is never changed)."""
+        out = copy.copy(self)
+        out.shapes, out._lower = shapes or {}, {}
+        return out
 
     def _at(self, i: int, num_seqs: float) -> float:
         t = self.seconds[i]
@@ -161,14 +169,20 @@ class TargetCurve:
         interval is at an end or a measured point inside. Exact shapes near the interval are
         included whatever their sequence count (a superset only lowers the bound).
         """
+        key = (lo, hi, num_seqs)
+        if key in self._lower:  # a curve lives while its data does not change: asked each step
+            return self._lower[key]
+        if len(self._lower) >= 64:
+            self._lower.clear()
         fit = self.parametric
-        if fit.slope_low < 0 or fit.slope_high < 0:
-            return None
-        xs = [lo, hi, *(r for r in self.rows if lo < r < hi)]
-        least = min(self._smooth(x, num_seqs) for x in xs)
-        for (rows, _), t in self.shapes.items():
-            if lo - 1 <= rows <= hi + 1:
-                least = min(least, t)
+        least: float | None = None
+        if fit.slope_low >= 0 and fit.slope_high >= 0:
+            xs = [lo, hi, *(r for r in self.rows if lo < r < hi)]
+            least = min(self._smooth(x, num_seqs) for x in xs)
+            for (rows, _), t in self.shapes.items():
+                if lo - 1 <= rows <= hi + 1:
+                    least = min(least, t)
+        self._lower[key] = least
         return least
 
     def _smooth(self, num_tokens: float, num_seqs: float) -> float:
@@ -442,6 +456,8 @@ class CostModel:
         self._point_memo: dict[int, tuple[int, float, tuple[float, float]]] = {}
         self._anchor_memo: tuple[object, float, dict[int, tuple[float, float]]] | None = None
         self._shape_memo: dict[tuple[int, int], tuple[int, float]] = {}
+        # the last curve: ((fit, anchors, live points as kept), curve without shapes, curve)
+        self._curve_memo: tuple[tuple, TargetCurve, TargetCurve] | None = None
         # True: no memo is used (target curve pieces, the draft fit, the feature columns): the
         # reference an equivalence test compares against. Predictions are identical either way.
         self.exact_reference = False
@@ -466,8 +482,11 @@ class CostModel:
         if self._curve is None:
             if self.exact_reference:
                 self._point_memo, self._shape_memo, self._anchor_memo = {}, {}, None
-            measured = dict(self._anchor_points())  # rows -> (seconds, sequences)
-            memo, per_seq = self._point_memo, self.target.per_seq
+                self._curve_memo = None
+            fit = self.target
+            anchors = self._anchor_points()  # rows -> (seconds, sequences); same dict until changed
+            live: dict[int, tuple[float, float]] = {}
+            memo, per_seq = self._point_memo, fit.per_seq
             for n, recent in self._measured.items():
                 newest = recent[-1][2]
                 if (
@@ -480,27 +499,51 @@ class CostModel:
                     continue
                 hit = memo.get(n)
                 if hit is not None and hit[0] == newest and hit[1] == per_seq:
-                    measured[n] = hit[2]
+                    live[n] = hit[2]
                     continue
                 seqs = statistics.fmean(s for _, s, _ in recent)
                 # The median resists the odd stalled step; steps of this row count at other
                 # sequence counts are first moved to the mean count by the fit's slope.
                 t = statistics.median(t + per_seq * (seqs - s) for t, s, _ in recent)
-                measured[n] = (t, seqs)
+                live[n] = (t, seqs)
                 memo[n] = (newest, per_seq, (t, seqs))
             if len(memo) > 2 * self.max_measured_sizes:
                 for n in [n for n in memo if n not in self._measured]:
                     del memo[n]
-            points: list[tuple[float, float | None, float]] = []
-            for n, (t, seqs) in sorted(measured.items()):
-                fit = self.target(n, seqs)
-                # Within the noise of the fit, the fit is the better estimate (it pools every
-                # step; a point holds a few): keep the point only where the fit is clearly off.
-                keep = abs(t - fit) > self.curve_tolerance * fit
-                points.append((n, t if keep else None, seqs))
-            curve = TargetCurve(points, self.target)
-            self._curve = TargetCurve(points, self.target, self._shape_medians(curve))
+            # The curve is a function of the fit, the anchors and the live points as kept (a
+            # point within the fit's noise is dropped, so its seconds do not matter): a step
+            # that moved no kept point leaves the curve as it was, and it is reused.
+            live_points = tuple(self._curve_point(n, t, seqs) for n, (t, seqs) in live.items())
+            key = (fit, anchors, live_points)
+            old = self._curve_memo
+            if (
+                old is not None
+                and old[0][0] is fit
+                and old[0][1] is anchors
+                and old[0][2] == key[2]
+            ):
+                base = old[1]
+            else:
+                points = [
+                    self._curve_point(n, t, seqs)
+                    for n, (t, seqs) in anchors.items()
+                    if n not in live
+                ]
+                base = TargetCurve(sorted(points + list(live_points)), fit)
+            shapes = self._shape_medians(base)
+            if old is not None and old[1] is base and old[2].shapes == shapes:
+                self._curve = old[2]
+            else:
+                self._curve = base.with_shapes(shapes)
+            self._curve_memo = (key, base, self._curve)
         return self._curve
+
+    def _curve_point(self, n: int, t: float, seqs: float) -> tuple[int, float | None, float]:
+        """(rows, seconds or None, sequences) of a measured point: within ``curve_tolerance`` of
+        the fit, the fit is the better estimate (it pools every step; a point holds a few), so
+        the point keeps its seconds only where the fit is clearly off."""
+        fit = self.target(n, seqs)
+        return (n, t if abs(t - fit) > self.curve_tolerance * fit else None, seqs)
 
     def _anchor_points(self) -> dict[int, tuple[float, float]]:
         """rows -> (seconds, sequences) of the calibration forwards, plus what a live step adds
