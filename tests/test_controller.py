@@ -1043,6 +1043,25 @@ def test_engine_gives_the_controller_the_target_forward_window_every_step(tiny_p
     assert ctrl.calls.count("choose_k") == steps - 1  # the prefill step had nothing to decide
 
 
+def test_the_target_curve_is_reused_while_no_kept_point_moves() -> None:
+    """A step priced within the fit's noise moves no point the curve keeps: the curve object is
+    reused (a batch held plain asks for it every step). A row count measured clearly off the
+    fit is a kept point, and moving it makes a new curve."""
+    model = CostModel(GPU_TARGET, GPU_DRAFT)
+    model.defer_refits = True  # no refit in between: the fit stays the same object
+    for _ in range(5):
+        model.observe_target(8, 8, GPU_TARGET(8, 8))
+    curve = model.target_curve()
+    model.observe_target(8, 8, 1.01 * GPU_TARGET(8, 8))
+    assert model.target_curve() is curve
+    for _ in range(9):
+        model.observe_target(8, 8, 1.5 * GPU_TARGET(8, 8))
+    moved = model.target_curve()
+    assert moved is not curve
+    assert moved(8, 8) == pytest.approx(1.5 * GPU_TARGET(8, 8))
+    assert curve(8, 8) == pytest.approx(GPU_TARGET(8, 8))
+
+
 def test_deferred_refits_wait_for_the_window_and_then_match_eager_ones() -> None:
     """With ``defer_refits`` a due refit waits for ``refit_if_due`` (the engine's overlap
     window); run there, it gives the fit an eager model made from the same observations."""

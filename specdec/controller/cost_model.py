@@ -513,7 +513,9 @@ class CostModel:
             # The curve is a function of the fit, the anchors and the live points as kept (a
             # point within the fit's noise is dropped, so its seconds do not matter): a step
             # that moved no kept point leaves the curve as it was, and it is reused.
-            live_points = tuple(self._curve_point(n, t, seqs) for n, (t, seqs) in live.items())
+            live_points = tuple(
+                sorted(self._curve_point(n, t, seqs) for n, (t, seqs) in live.items())
+            )  # sorted: the same points whichever row count was measured last
             key = (fit, anchors, live_points)
             old = self._curve_memo
             if (
