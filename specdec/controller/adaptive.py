@@ -274,15 +274,7 @@ class AdaptiveController:
             terms = self._all_terms(seqs, prior)
         self._ready = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
         self._ready_fresh = True
-        batch = BatchGoodput(
-            terms,
-            self.cost,
-            self.k_max,
-            extra_tokens,
-            extra_seqs,
-            self.per_position_forwards,
-            self._exact_reference,
-        )
+        batch = self._objective(terms, extra_tokens, extra_seqs)
         held = self._held(seqs, terms, batch)
         v_held = batch.assign(held)
         starts = [held, [0] * len(seqs)] + [[k] * len(seqs) for k in range(1, self.k_max + 1)]
@@ -344,14 +336,7 @@ class AdaptiveController:
         def price() -> tuple[float, float]:
             snapshot = [_SeqSnapshot(*f) for f in fields]
             terms = self._all_terms(snapshot, self.acceptance.prior())
-            batch = BatchGoodput(
-                terms,
-                self.cost,
-                self.k_max,
-                extra_tokens,
-                extra_seqs,
-                self.per_position_forwards,
-            )
+            batch = self._objective(terms, extra_tokens, extra_seqs)
             batch.assign(out)
             return batch.tokens_per_s(), batch.step_time()
 
@@ -741,17 +726,24 @@ class AdaptiveController:
         self.num_probes += len(probes)
         return probes
 
-    def _same_step(self, batch: BatchGoodput, terms: list[SeqTerms]) -> BatchGoodput:
-        """The objective of ``batch``'s step (same prefill rows beside it) over other terms."""
+    def _objective(
+        self, terms: list[SeqTerms], extra_tokens: float, extra_seqs: float
+    ) -> BatchGoodput:
+        """The batch goodput of ``terms`` with ``extra_tokens`` prefill rows (of ``extra_seqs``
+        sequences) beside them, under this controller's cost model."""
         return BatchGoodput(
             terms,
             self.cost,
             self.k_max,
-            batch.extra_tokens,
-            batch.num_seqs - len(batch.terms),
+            extra_tokens,
+            extra_seqs,
             self.per_position_forwards,
             self._exact_reference,
         )
+
+    def _same_step(self, batch: BatchGoodput, terms: list[SeqTerms]) -> BatchGoodput:
+        """The objective of ``batch``'s step (same prefill rows beside it) over other terms."""
+        return self._objective(terms, batch.extra_tokens, batch.num_seqs - len(batch.terms))
 
     def _spend_probe_budget(
         self,
