@@ -176,7 +176,14 @@ def run_arm(
     round_index: int = 0,
 ) -> ArmResult:
     """Closed loop: keep ``concurrency`` requests in flight until ``num_prompts`` finished.
-    ``trace``: (the model that prices each step, where its JSON lines go), or None."""
+    ``trace``: (the model that prices each step, where its JSON lines go), or None.
+
+    Round r sends requests r*n .. r*n+n-1 (n = ``num_prompts``): request i takes prompt
+    i mod len(prompts) and sampling seed i. Every arm of a round gets the same requests, and
+    each round gets fresh ones. At temperature > 0 an arm's text depends on its speculation (the
+    same seed draws differently once drafts are verified), so a fixed arm repeating one set of
+    requests would repeat one draw of text, lucky or unlucky for acceptance, in every round;
+    fresh requests per round turn that luck into noise the median over rounds averages."""
     engine.controller = controller
     tracer: TracingController | None = None
     if trace is not None:
@@ -184,13 +191,14 @@ def run_arm(
         tracer = TracingController(controller, trace[0], trace[1], tags)
         engine.controller = tracer
     speculative = "off" if arm == "plain" else "auto"
+    first = round_index * num_prompts
     queue = [
         (
             f"{workload}-c{concurrency}-{arm}-{i}",
             prompts[i % len(prompts)],
             SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i),
         )
-        for i in range(num_prompts)
+        for i in range(first, first + num_prompts)
     ]
     before = SpecStats()
     before.merge(engine.spec_stats)

@@ -73,8 +73,9 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"tokens per request (EOS ignored), total run {meta['total_seconds']:.0f} s.",
         "",
         f"Throughput in output tokens/s, the median of {meta.get('repeats', 1)} interleaved "
-        "run(s) of every arm per point (the arm order reversed every other round; each run's "
-        "figure is in the JSON); TPOT = time per output token after the first, median and "
+        "run(s) of every arm per point (the arm order reversed every other round; every arm of a "
+        "round serves the same requests, each round fresh ones; each run's figure is in the "
+        "JSON); TPOT = time per output token after the first, median and "
         "p99 over the requests of all runs, in ms. Checks: A = adaptive within 5% of the best arm, "
         "B = adaptive not more than 3% slower than plain, C = (code, c=1) adaptive at least as "
         "fast as the best fixed k. Per round: adaptive's throughput over the best other arm's "

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from evals.bench_controller import ARMS, ArmResult, main, merge_runs
+from engine.sequence import SpecStats
+from evals.bench_controller import ARMS, ArmResult, main, merge_runs, run_arm
 from evals.bench_controller_report import main as report_main
 from evals.bench_controller_report import merge_results, round_ratios
 from evals.controller_trace import summarize, wall_time_table
@@ -67,6 +69,46 @@ def test_round_ratios_compare_runs_of_the_same_round_only() -> None:
     arms["fixed-k2"]["throughput_runs"] = [12.0, 10.0]
     assert len(round_ratios(arms)["best"]) == 2
     assert round_ratios({"plain": {"throughput_runs": [1.0]}}) == {"best": [], "plain": []}
+
+
+class _RecordingEngine:
+    """Finishes every request on the step after it arrives; remembers what it was sent."""
+
+    def __init__(self) -> None:
+        self.controller = None
+        self.proposer = None
+        self.spec_stats = SpecStats()
+        self.sent: list[tuple[list[int], int | None, str]] = []
+        self._pending: list[str] = []
+
+    def add_request(self, rid, prompt, params, speculative) -> None:
+        self.sent.append((prompt, params.seed, speculative))
+        self._pending.append(rid)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def step(self) -> list[SimpleNamespace]:
+        done, self._pending = self._pending, []
+        return [
+            SimpleNamespace(finished=True, output_token_ids=[1, 2], first_token_time=0.0,
+                            finish_time=0.1)
+            for _ in done
+        ]  # fmt: skip
+
+
+def test_every_arm_of_a_round_serves_the_same_requests_and_each_round_fresh_ones() -> None:
+    prompts = [[i] for i in range(5)]
+
+    def sent(arm: str, round_index: int) -> list[tuple[list[int], int | None]]:
+        engine = _RecordingEngine()
+        run_arm(engine, None, arm, "open", prompts, 1.0, 2, 3, 8, round_index=round_index)
+        return [(prompt, seed) for prompt, seed, _ in engine.sent]
+
+    assert sent("plain", 0) == sent("adaptive", 0) == [([0], 0), ([1], 1), ([2], 2)]
+    # Round 1 continues where round 0 stopped, prompts wrapping around: the same seed never
+    # comes back, so no arm repeats one draw of sampled text in every round.
+    assert sent("fixed-k4", 1) == sent("plain", 1) == [([3], 3), ([4], 4), ([0], 5)]
 
 
 def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
