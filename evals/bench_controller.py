@@ -1,18 +1,21 @@
 """Benchmark: plain vs fixed-k vs adaptive speculation, side by side, per concurrency and workload.
 
-One engine (target + draft loaded once) runs every arm at every point; arms differ only in the
-controller and the per-request speculation mode:
+Every arm has its own engine (own KV pool, scheduler and controller) on the same loaded target and
+draft; arms differ only in the controller and the per-request speculation mode:
 
     plain      requests speculative='off' (no draft forward ever runs)
     fixed-k2   StaticController(2)
     fixed-k4   StaticController(4)
     adaptive   AdaptiveController, calibrated once at start-up, learning across the whole run
 
+The arms' engines step in turn (one step each, the order rotating), so every arm meets the same
+spells of a shared machine; each arm is timed by its own steps.
+
 Workloads: code prompts at temperature 0 (acceptance high) and open-ended prompts at temperature
 1.0 (acceptance lower). Every request generates exactly ``--max-tokens`` tokens (EOS ignored) so
-every arm does the same work. At concurrency c the driver keeps c requests in flight (closed loop)
+every arm does the same work. At concurrency c each arm keeps c requests in flight (closed loop)
 until ``--num-prompts`` have finished. Reported per point and arm: output throughput (tokens/s of
-wall time) and median / p99 over requests of time per output token (after the first token).
+the arm's own step time) and median / p99 over requests of time per output token (after the first token).
 
 Real pair (slow on a CPU: about an hour for the full sweep on two cores):
 
@@ -46,7 +49,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import SpecStats
 from evals.bench_controller_report import write_markdown, write_plot
 from evals.controller_trace import TracingController, summarize, wall_time_table
-from specdec.controller import AdaptiveController, build_controller
+from specdec.controller import AdaptiveController
 from specdec.controller_base import SpeculationController, StaticController
 
 logger = logging.getLogger("bench_controller")
@@ -162,129 +165,205 @@ def encode_prompts(engine: LLMEngine, prompts: tuple[str, ...], tiny: bool) -> l
     return [tok.encode(p) for p in prompts]
 
 
-def run_arm(
-    engine: LLMEngine,
-    controller: SpeculationController,
-    arm: str,
+class ArmLoop:
+    """One arm's closed loop at one point in one round, advanced one engine step at a time.
+
+    Keeps ``concurrency`` requests in flight until its queue is empty and its engine idle. Its
+    clock is the time of its own steps (admission included): the wall time the arm would have
+    taken alone, whatever other arms ran in between. TPOT is read off the same clock.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        arm: str,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        concurrency: int,
+    ) -> None:
+        self.engine = engine
+        self.arm = arm
+        self.queue = list(requests)
+        self.num_requests = len(requests)
+        self.concurrency = concurrency
+        self.speculative = "off" if arm == "plain" else "auto"
+        self.in_flight = 0
+        self.out_tokens = 0
+        self.busy_s = 0.0
+        self.tpots: list[float] = []
+        self._first_token_at: dict[str, float] = {}
+        self._stats_before = SpecStats()
+        self._stats_before.merge(engine.spec_stats)
+        self._forwards_before = self._draft_forwards()
+
+    def _draft_forwards(self) -> int:
+        return self.engine.proposer.num_forwards if self.engine.proposer is not None else 0
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and not self.engine.has_unfinished()
+
+    def advance(self) -> None:
+        """Admit what the concurrency allows, run one engine step, account its outputs."""
+        t0 = time.perf_counter()
+        while self.queue and self.in_flight < self.concurrency:
+            rid, prompt, params = self.queue.pop(0)
+            self.engine.add_request(rid, prompt, params, speculative=self.speculative)
+            self.in_flight += 1
+        outputs = self.engine.step()
+        self.busy_s += time.perf_counter() - t0
+        for out in outputs:
+            if out.output_token_ids:
+                self._first_token_at.setdefault(out.request_id, self.busy_s)
+            if not out.finished:
+                continue
+            self.in_flight -= 1
+            n = len(out.output_token_ids)
+            self.out_tokens += n
+            first = self._first_token_at.pop(out.request_id, None)
+            if n > 1 and first is not None:
+                self.tpots.append((self.busy_s - first) / (n - 1))
+
+    def result(self, workload: str, controller: SpeculationController) -> ArmResult:
+        after = self.engine.spec_stats
+        before = self._stats_before
+        drafted = after.num_draft_tokens - before.num_draft_tokens
+        accepted = after.num_accepted_tokens - before.num_accepted_tokens
+        decode_steps = after.num_target_steps - before.num_target_steps
+        spec_steps = after.num_spec_steps - before.num_spec_steps
+        ctrl_stats = {}
+        if isinstance(controller, AdaptiveController):
+            ctrl_stats = {k: v for k, v in controller.stats().items() if not isinstance(v, dict)}
+        wall, tpots = self.busy_s, self.tpots
+        throughput = self.out_tokens / wall if wall > 0 else 0.0
+        return ArmResult(
+            workload=workload,
+            concurrency=self.concurrency,
+            arm=self.arm,
+            num_requests=self.num_requests,
+            output_tokens=self.out_tokens,
+            wall_s=wall,
+            throughput_tok_s=throughput,
+            tpot_median_ms=1e3 * float(np.median(tpots)) if tpots else float("nan"),
+            tpot_p99_ms=1e3 * float(np.percentile(tpots, 99)) if tpots else float("nan"),
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            mean_k=drafted / decode_steps if decode_steps else 0.0,
+            speculating_fraction=spec_steps / decode_steps if decode_steps else 0.0,
+            draft_forwards=self._draft_forwards() - self._forwards_before,
+            num_drafted=drafted,
+            num_accepted=accepted,
+            decode_steps=decode_steps,
+            spec_steps=spec_steps,
+            controller=ctrl_stats,
+            throughput_runs=[throughput],
+            tpots_ms=[1e3 * t for t in tpots],
+        )
+
+
+def round_requests(
     workload: str,
+    concurrency: int,
     prompts: list[list[int]],
     temperature: float,
-    concurrency: int,
     num_prompts: int,
     max_tokens: int,
-    trace: tuple[AdaptiveController, TextIO] | None = None,
-    round_index: int = 0,
-) -> ArmResult:
-    """Closed loop: keep ``concurrency`` requests in flight until ``num_prompts`` finished.
-    ``trace``: (the model that prices each step, where its JSON lines go), or None.
+    round_index: int,
+) -> list[tuple[str, list[int], SamplingParams]]:
+    """The requests every arm serves in round ``round_index`` of one point.
 
     Round r sends requests r*n .. r*n+n-1 (n = ``num_prompts``): request i takes prompt
     i mod len(prompts) and sampling seed i. Every arm of a round gets the same requests, and
     each round gets fresh ones. At temperature > 0 an arm's text depends on its speculation (the
     same seed draws differently once drafts are verified), so a fixed arm repeating one set of
     requests would repeat one draw of text, lucky or unlucky for acceptance, in every round;
-    fresh requests per round turn that luck into noise the median over rounds averages."""
-    engine.controller = controller
-    tracer: TracingController | None = None
-    if trace is not None:
-        tags = {"workload": workload, "concurrency": concurrency, "arm": arm, "round": round_index}
-        tracer = TracingController(controller, trace[0], trace[1], tags)
-        engine.controller = tracer
-    speculative = "off" if arm == "plain" else "auto"
+    fresh requests per round turn that luck into noise the median over rounds averages.
+    """
     first = round_index * num_prompts
-    queue = [
+    return [
         (
-            f"{workload}-c{concurrency}-{arm}-{i}",
+            f"{workload}-c{concurrency}-r{round_index}-{i}",
             prompts[i % len(prompts)],
             SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i),
         )
         for i in range(first, first + num_prompts)
     ]
-    before = SpecStats()
-    before.merge(engine.spec_stats)
-    forwards0 = engine.proposer.num_forwards if engine.proposer is not None else 0
-    tpots: list[float] = []
-    out_tokens = in_flight = 0
-    start = time.perf_counter()
-    while queue or engine.has_unfinished():
-        while queue and in_flight < concurrency:
-            rid, prompt, params = queue.pop(0)
-            engine.add_request(rid, prompt, params, speculative=speculative)
-            in_flight += 1
-        for out in engine.step():
-            if not out.finished:
-                continue
-            in_flight -= 1
-            n = len(out.output_token_ids)
-            out_tokens += n
-            if n > 1 and out.first_token_time is not None and out.finish_time is not None:
-                tpots.append((out.finish_time - out.first_token_time) / (n - 1))
-    wall = time.perf_counter() - start
-    if tracer is not None:
-        tracer.end_run(wall, out_tokens)
-    after = engine.spec_stats
-    drafted = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    decode_steps = after.num_target_steps - before.num_target_steps
-    spec_steps = after.num_spec_steps - before.num_spec_steps
-    forwards = (engine.proposer.num_forwards if engine.proposer is not None else 0) - forwards0
-    ctrl_stats = {}
-    if isinstance(controller, AdaptiveController):
-        s = controller.stats()
-        ctrl_stats = {k: v for k, v in s.items() if not isinstance(v, dict)}
-    return ArmResult(
-        workload=workload,
-        concurrency=concurrency,
-        arm=arm,
-        num_requests=num_prompts,
-        output_tokens=out_tokens,
-        wall_s=wall,
-        throughput_tok_s=out_tokens / wall if wall > 0 else 0.0,
-        tpot_median_ms=1e3 * float(np.median(tpots)) if tpots else float("nan"),
-        tpot_p99_ms=1e3 * float(np.percentile(tpots, 99)) if tpots else float("nan"),
-        acceptance_rate=accepted / drafted if drafted else 0.0,
-        mean_k=drafted / decode_steps if decode_steps else 0.0,
-        speculating_fraction=spec_steps / decode_steps if decode_steps else 0.0,
-        draft_forwards=forwards,
-        num_drafted=drafted,
-        num_accepted=accepted,
-        decode_steps=decode_steps,
-        spec_steps=spec_steps,
-        controller=ctrl_stats,
-        throughput_runs=[out_tokens / wall if wall > 0 else 0.0],
-        tpots_ms=[1e3 * t for t in tpots],
-    )
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def run_round(
+    engines: dict[str, LLMEngine],
+    controllers: dict[str, SpeculationController],
+    workload: str,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    concurrency: int,
+    trace: tuple[AdaptiveController, TextIO] | None = None,
+    round_index: int = 0,
+) -> dict[str, ArmResult]:
+    """Every arm serves ``requests`` on its own engine, the engines stepping in turn.
+
+    A shared machine's speed drifts by 10-30% within minutes, so arms run one after another
+    compare different spells of the machine. Stepping the arms' engines in turn (the order
+    rotating every cycle) puts each arm's steps within a step or two of the others', so the
+    drift lands on all of them alike; each arm is timed by its own steps only.
+    ``trace``: (the model that prices each step, where its JSON lines go), or None.
+    """
+    loops: list[ArmLoop] = []
+    tracers: dict[str, TracingController] = {}
+    for arm, engine in engines.items():
+        engine.controller = controllers[arm]
+        if trace is not None:
+            tags = {
+                "workload": workload, "concurrency": concurrency, "arm": arm, "round": round_index,
+            }  # fmt: skip
+            tracers[arm] = TracingController(controllers[arm], trace[0], trace[1], tags)
+            engine.controller = tracers[arm]
+        loops.append(ArmLoop(engine, arm, requests, concurrency))
+    cycle = 0
+    while live := [loop for loop in loops if not loop.done]:
+        shift = cycle % len(live)
+        for loop in live[shift:] + live[:shift]:
+            loop.advance()
+        cycle += 1
+    for loop in loops:
+        if loop.arm in tracers:
+            tracers[loop.arm].end_run(loop.busy_s, loop.out_tokens)
+    return {loop.arm: loop.result(workload, controllers[loop.arm]) for loop in loops}
+
+
+def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
+    """One engine per arm, all on the same loaded models, each with its own KV pool, scheduler
+    and controller. Only the adaptive arm's engine calibrates its controller at start-up."""
     common = dict(
         num_speculative_tokens=4,
         speculative_mode="auto",
         max_num_seqs=max(args.concurrency),
         max_model_len=args.max_model_len,
-        enable_prefix_caching=False,  # arms reuse the same prompts: no arm may inherit a cache
-        controller_warmup=True,
+        enable_prefix_caching=False,  # prompts come back in later rounds: none may find a cache
         seed=0,
         num_threads=args.num_threads,
     )
+    target = draft = None
     if args.tiny:
         from evals.tiny_pair import tiny_pair
 
         target, draft = tiny_pair()
-        cfg = EngineConfig(
+        models = dict(
             model="tiny", draft_model="tiny-draft", device="cpu", dtype="float32",
             num_kv_blocks=max(64, 4 * max(args.concurrency) * args.max_model_len // 16),
-            **common,
         )  # fmt: skip
-        return LLMEngine(cfg, target=target, draft=draft, progress=False)
-    cfg = EngineConfig(
-        model=args.model,
-        draft_model=args.draft_model,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        **common,
-    )
-    return LLMEngine(cfg)
+    else:
+        models = dict(
+            model=args.model,
+            draft_model=args.draft_model,
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory,
+        )
+    engines: dict[str, LLMEngine] = {}
+    # The adaptive arm's engine first: it loads the models the others share.
+    for arm in ("adaptive", *(a for a in args.arms if a != "adaptive")):
+        cfg = EngineConfig(**models, **common, controller_warmup=arm == "adaptive")
+        engine = LLMEngine(cfg, target=target, draft=draft, progress=not args.tiny)
+        target, draft = engine.target, engine.draft
+        engines[arm] = engine
+    return engines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -309,9 +388,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=3,
-        help="runs of every arm per point, interleaved, the order reversed every other round "
-        "(drift on a shared machine cancels); throughput is their median, which a single run "
-        "caught by a slow spell of a shared machine does not move",
+        help="rounds per point; in a round every arm serves the same fresh requests, the arms' "
+        "engines stepping in turn; throughput is the median over rounds",
     )
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 24 tokens")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
@@ -335,42 +413,40 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     t0 = time.perf_counter()
-    engine = build_engine(args)
-    adaptive = build_controller(engine.config, engine)  # calibrates on this engine's models
+    engines = build_engines(args)  # every arm's engine; the adaptive one always
+    adaptive = engines["adaptive"].controller  # calibrated on the models at start-up
+    assert isinstance(adaptive, AdaptiveController)
     controllers: dict[str, SpeculationController] = {
         "plain": StaticController(4),
         "fixed-k2": StaticController(2),
         "fixed-k4": StaticController(4),
         "adaptive": adaptive,
     }
-    prompts = {w: encode_prompts(engine, WORKLOADS[w][0], args.tiny) for w in args.workloads}
+    arm_engines = {arm: engines[arm] for arm in args.arms}
+    first_engine = engines["adaptive"]
+    prompts = {w: encode_prompts(first_engine, WORKLOADS[w][0], args.tiny) for w in args.workloads}
 
     results: list[ArmResult] = []
-    point = 0
     trace_sink: TextIO | None = None
     if args.trace is not None:
         args.trace.parent.mkdir(parents=True, exist_ok=True)
         trace_sink = args.trace.open("w")
     trace = (adaptive, trace_sink) if trace_sink is not None else None
     for w in args.workloads:
-        # Warm-up (kernels, allocator, the adaptive controller's first live steps; not reported)
-        # on this workload right before its points, so the engine-wide acceptance prior that
-        # new requests start from is this workload's, as on a server that serves it, rather
-        # than whatever workload was warmed up or measured last.
-        run_arm(engine, adaptive, "adaptive", f"warmup-{w}", prompts[w], WORKLOADS[w][1], 2, 2, 8)
+        prompts_w, temperature = prompts[w], WORKLOADS[w][1]
+        # Warm-up (kernels, allocators, the adaptive controller's first live steps; not
+        # reported) on this workload right before its points, so the engine-wide acceptance
+        # prior that new requests start from is this workload's, as on a server that serves it,
+        # rather than whatever workload was warmed up or measured last.
+        warmup = round_requests(f"warmup-{w}", 2, prompts_w, temperature, 2, 8, 0)
+        run_round(arm_engines, controllers, w, warmup, 2)
         for c in args.concurrency:
             n = args.num_prompts or max(c, 4)
-            # Rotate the arm order per point, and reverse it every other round, so slow drift on
-            # a shared machine favours no arm.
-            order = args.arms[point % len(args.arms) :] + args.arms[: point % len(args.arms)]
-            point += 1
-            runs: dict[str, list[ArmResult]] = {arm: [] for arm in order}
+            runs: dict[str, list[ArmResult]] = {arm: [] for arm in args.arms}
             for rep in range(args.repeats):
-                for arm in order if rep % 2 == 0 else order[::-1]:
-                    r = run_arm(
-                        engine, controllers[arm], arm, w, prompts[w], WORKLOADS[w][1], c, n,
-                        args.max_tokens, trace, rep,
-                    )  # fmt: skip
+                requests = round_requests(w, c, prompts_w, temperature, n, args.max_tokens, rep)
+                round_results = run_round(arm_engines, controllers, w, requests, c, trace, rep)
+                for arm, r in round_results.items():
                     runs[arm].append(r)
                     logger.info(
                         "%s c=%d %-9s run %d: %7.2f tok/s  tpot p50 %7.1f ms p99 %7.1f ms  "
@@ -411,6 +487,7 @@ def write_results(
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "repeats": args.repeats,
+        "arms_step_in_turn": True,
         "total_seconds": time.perf_counter() - t0,
         "controller_final": {k: v for k, v in adaptive.stats().items() if not isinstance(v, dict)},
     }

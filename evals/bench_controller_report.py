@@ -64,6 +64,31 @@ def round_ratios(arms: dict[str, dict]) -> dict[str, list[float]]:
     return out
 
 
+def _method(meta: dict) -> str:
+    """How the figures were measured, as the run that wrote ``meta`` measured them."""
+    rounds = meta.get("repeats", 1)
+    if meta.get("arms_step_in_turn"):
+        how = (
+            f"Throughput in output tokens/s of each arm's own step time, the median over {rounds} "
+            "round(s) per point. In a round every arm serves the same requests (each round fresh "
+            "ones) on its own engine, the engines stepping in turn, so the arms meet the same "
+            "spells of a shared machine; each round's figure is in the JSON."
+        )
+    else:  # results from before the arms stepped in turn: whole runs, one arm after another
+        how = (
+            f"Throughput in output tokens/s, the median of {rounds} interleaved run(s) of every "
+            "arm per point (the arm order reversed every other round; each run's figure is in "
+            "the JSON)."
+        )
+    return how + (
+        " TPOT = time per output token after the first, median and p99 over the requests of "
+        "all runs, in ms. Checks: A = adaptive within 5% of the best arm, B = adaptive not more "
+        "than 3% slower than plain, C = (code, c=1) adaptive at least as fast as the best fixed "
+        "k. Per round: adaptive's throughput over the best other arm's (÷ best) and over "
+        "plain's (÷ plain) in each round."
+    )
+
+
 def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [
         "# Adaptive speculation controller: benchmark",
@@ -72,14 +97,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"Target `{meta['model']}`, draft `{meta['draft_model']}`, {meta['max_tokens']} output "
         f"tokens per request (EOS ignored), total run {meta['total_seconds']:.0f} s.",
         "",
-        f"Throughput in output tokens/s, the median of {meta.get('repeats', 1)} interleaved "
-        "run(s) of every arm per point (the arm order reversed every other round; every arm of a "
-        "round serves the same requests, each round fresh ones; each run's figure is in the "
-        "JSON); TPOT = time per output token after the first, median and "
-        "p99 over the requests of all runs, in ms. Checks: A = adaptive within 5% of the best arm, "
-        "B = adaptive not more than 3% slower than plain, C = (code, c=1) adaptive at least as "
-        "fast as the best fixed k. Per round: adaptive's throughput over the best other arm's "
-        "(÷ best) and over plain's (÷ plain) in each round, whose runs ran back to back.",
+        _method(meta),
         "",
     ]
     if meta["model"] == "tiny":
@@ -183,7 +201,7 @@ def merge_results(parts: list[dict]) -> tuple[dict, list[dict]]:
             seen.add(key)
             rows.append(r)
     metas = [p["meta"] for p in parts]
-    for field in ("model", "draft_model", "max_tokens", "repeats"):
+    for field in ("model", "draft_model", "max_tokens", "repeats", "arms_step_in_turn"):
         if len({str(m.get(field)) for m in metas}) > 1:
             raise ValueError(f"the parts differ in {field}: not one benchmark")
     meta = {

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from engine.sequence import SpecStats
-from evals.bench_controller import ARMS, ArmResult, main, merge_runs, run_arm
+from evals.bench_controller import ARMS, ArmResult, main, merge_runs, round_requests, run_round
 from evals.bench_controller_report import main as report_main
 from evals.bench_controller_report import merge_results, round_ratios
 from evals.controller_trace import summarize, wall_time_table
+from specdec.controller_base import StaticController
 
 
 def _run(throughput: float, tpots: list[float], drafted: int, accepted: int) -> ArmResult:
@@ -72,43 +74,79 @@ def test_round_ratios_compare_runs_of_the_same_round_only() -> None:
 
 
 class _RecordingEngine:
-    """Finishes every request on the step after it arrives; remembers what it was sent."""
+    """Gives each request one token per step until it has ``length``; remembers what it was sent
+    and in which order the engines stepped (``log``, shared by the engines of one round)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, log: list[str], length: int = 3) -> None:
+        self.name, self.log, self.length = name, log, length
         self.controller = None
         self.proposer = None
         self.spec_stats = SpecStats()
         self.sent: list[tuple[list[int], int | None, str]] = []
-        self._pending: list[str] = []
+        self._tokens: dict[str, int] = {}
 
     def add_request(self, rid, prompt, params, speculative) -> None:
         self.sent.append((prompt, params.seed, speculative))
-        self._pending.append(rid)
+        self._tokens[rid] = 0
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending)
+        return bool(self._tokens)
 
     def step(self) -> list[SimpleNamespace]:
-        done, self._pending = self._pending, []
-        return [
-            SimpleNamespace(finished=True, output_token_ids=[1, 2], first_token_time=0.0,
-                            finish_time=0.1)
-            for _ in done
-        ]  # fmt: skip
+        self.log.append(self.name)
+        outs = []
+        for rid in list(self._tokens):
+            self._tokens[rid] += 1
+            done = self._tokens[rid] == self.length
+            outs.append(
+                SimpleNamespace(request_id=rid, finished=done,
+                                output_token_ids=[1] * self._tokens[rid])
+            )  # fmt: skip
+            if done:
+                del self._tokens[rid]
+        return outs
+
+
+def _round(arms: tuple[str, ...], round_index: int, concurrency: int = 2):
+    log: list[str] = []
+    engines = {arm: _RecordingEngine(arm, log) for arm in arms}
+    requests = round_requests("open", concurrency, [[i] for i in range(5)], 1.0, 3, 8, round_index)
+    controllers = {arm: StaticController(2) for arm in arms}
+    results = run_round(engines, controllers, "open", requests, concurrency)
+    return engines, log, results
 
 
 def test_every_arm_of_a_round_serves_the_same_requests_and_each_round_fresh_ones() -> None:
-    prompts = [[i] for i in range(5)]
+    def sent(round_index: int) -> list[list[tuple[list[int], int | None, str]]]:
+        engines, _, _ = _round(("plain", "adaptive"), round_index)
+        return [engine.sent for engine in engines.values()]
 
-    def sent(arm: str, round_index: int) -> list[tuple[list[int], int | None]]:
-        engine = _RecordingEngine()
-        run_arm(engine, None, arm, "open", prompts, 1.0, 2, 3, 8, round_index=round_index)
-        return [(prompt, seed) for prompt, seed, _ in engine.sent]
-
-    assert sent("plain", 0) == sent("adaptive", 0) == [([0], 0), ([1], 1), ([2], 2)]
+    plain, adaptive = sent(0)
+    assert [(p, seed) for p, seed, _ in plain] == [([0], 0), ([1], 1), ([2], 2)]
+    assert [(p, seed) for p, seed, _ in adaptive] == [([0], 0), ([1], 1), ([2], 2)]
+    assert {mode for *_, mode in plain} == {"off"} and {mode for *_, mode in adaptive} == {"auto"}
     # Round 1 continues where round 0 stopped, prompts wrapping around: the same seed never
     # comes back, so no arm repeats one draw of sampled text in every round.
-    assert sent("fixed-k4", 1) == sent("plain", 1) == [([3], 3), ([4], 4), ([0], 5)]
+    plain, adaptive = sent(1)
+    assert [(p, seed) for p, seed, _ in plain] == [([3], 3), ([4], 4), ([0], 5)]
+
+
+def test_arms_step_in_turn_each_timed_by_its_own_steps() -> None:
+    t0 = time.perf_counter()
+    engines, log, results = _round(("plain", "fixed-k2", "adaptive"), 0, concurrency=2)
+    elapsed = time.perf_counter() - t0
+    # Three requests, two in flight, three steps each: 6 steps per arm, one step of each arm
+    # per cycle, the first arm of a cycle rotating.
+    assert log[:6] == ["plain", "fixed-k2", "adaptive", "fixed-k2", "adaptive", "plain"]
+    assert all(log.count(arm) == 6 for arm in engines)
+    for r in results.values():
+        assert r.output_tokens == 9 and r.num_requests == 3
+        assert len(r.tpots_ms) == 3
+        assert r.wall_s > 0 and r.throughput_tok_s == pytest.approx(9 / r.wall_s)
+    # Each arm's clock holds its own steps only: the arms' clocks cover disjoint spans of the
+    # round, so together they fit inside it.
+    assert sum(r.wall_s for r in results.values()) <= elapsed
+    assert not any(engine.has_unfinished() for engine in engines.values())
 
 
 def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
@@ -202,12 +240,16 @@ def test_wall_time_table_splits_each_run_by_step_kind() -> None:
     assert rows == ["| open | 2 | a | 3 | 4.0 | 1.5 (3) | 0.2 (1) | 0.8 (2) | 1.00 |"]
 
 
-def _part(workload: str, concurrency: list[int], repeats: int = 3) -> dict:
+def _part(
+    workload: str, concurrency: list[int], repeats: int = 3, in_turn: bool | None = True
+) -> dict:
     meta = dict(
         command=f"python -m evals.bench_controller --workloads {workload}",
         model="t", draft_model="d", max_tokens=64, repeats=repeats,
         concurrency=concurrency, total_seconds=100.0, controller_final={"mean_k": 1.0},
     )  # fmt: skip
+    if in_turn is not None:  # None: results written before the arms stepped in turn
+        meta["arms_step_in_turn"] = in_turn
     rows = []
     for c in concurrency:
         for arm, tp in (("plain", 10.0), ("fixed-k2", 9.0), ("fixed-k4", 8.0), ("adaptive", 9.9)):
@@ -233,7 +275,13 @@ def test_parts_of_a_sweep_merge_into_one_report(tmp_path) -> None:
     md = (tmp_path / "all.md").read_text()
     assert "--workloads code`; `python -m evals.bench_controller --workloads open" in md
     assert "## code" in md and "## open" in md and "A✓ B✓" in md
+    assert "the engines stepping in turn" in md
     assert (tmp_path / "all.png").stat().st_size > 0
+    # A report of results measured the older way says how they were measured.
+    a.write_text(json.dumps(_part("code", [1], in_turn=None)))
+    assert report_main([str(a), "--out", str(tmp_path / "old")]) == 0
+    old = (tmp_path / "old.md").read_text()
+    assert "stepping in turn" not in old and "interleaved run(s) of every arm" in old
 
 
 def test_merging_refuses_a_point_measured_twice_or_parts_of_different_benchmarks() -> None:
@@ -241,5 +289,8 @@ def test_merging_refuses_a_point_measured_twice_or_parts_of_different_benchmarks
         merge_results([_part("code", [1, 2]), _part("code", [1])])
     with pytest.raises(ValueError, match="differ in repeats"):
         merge_results([_part("code", [1]), _part("open", [1], repeats=5)])
+    # Arms stepping in turn and arms run one after another are two different measurements.
+    with pytest.raises(ValueError, match="differ in arms_step_in_turn"):
+        merge_results([_part("code", [1]), _part("open", [1], in_turn=None)])
     with pytest.raises(ValueError, match="nothing to merge"):
         merge_results([])
