@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--num-prompts",
         type=int,
         default=None,
-        help="requests per point and arm (default: max(concurrency, 4))",
+        help="requests per round and arm (default: max(concurrency, 4))",
     )
     p.add_argument(
         "--repeats",
