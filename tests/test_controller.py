@@ -761,31 +761,34 @@ def test_measured_row_counts_are_bounded_least_recent_forgotten() -> None:
 
 
 def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
-    """Calibration's bare forwards flatter verification (live steps at 16 sequences cost more than
-    bare forwards, and verify steps far more): the controller still measures a live plain step of
-    its batch size, and turns off once it sees plain is faster live."""
-    bare = TargetCost(base=0.30, per_seq=1e-3, slope_low=1e-4, knee=1024, slope_high=1e-4)
-    live = TargetCost(base=0.30, per_seq=1e-3, slope_low=5e-3, knee=12, slope_high=0.025)
+    """Calibration's bare plain forwards can be far off the live plain step (the real pair at 8
+    sequences: 400-430 ms calibrated, 280 ms live), and a batch that always speculates measures
+    only its verify steps: the controller still measures a live plain step of its batch size,
+    and turns off once it sees plain is faster live."""
+    live = TargetCost(base=0.30, per_seq=1e-3, slope_low=1e-2, knee=1024, slope_high=1e-2)
     draft = DraftCost(per_forward=0.03, per_row=2e-3, per_seq=1e-3)
 
     def run(cost_probe_every: int) -> tuple[AdaptiveController, list[list[int]]]:
-        cost = CostModel(bare, draft)
+        cost = CostModel(live, draft)
         shapes = [(s * r, s) for s in (1, 2, 4, 8, 16) for r in range(1, K_MAX + 2)]
-        cost.seed([TargetSample(n, s, bare(n, s), calibration=True) for n, s in shapes], [])
+        # Every shape calibrated at its live price, but for plain steps (one row a sequence),
+        # timed 60% slow.
+        slow = [(n, s, live(n, s) * (1.6 if n == s else 1.0)) for n, s in shapes]
+        cost.seed([TargetSample(n, s, t, calibration=True) for n, s, t in slow], [])
         ctrl = AdaptiveController(
             K_MAX,
             cost=cost,
-            acceptance=AcceptanceTracker(K_MAX, initial=0.8),
+            acceptance=AcceptanceTracker(K_MAX, initial=0.4),
             # The margin over plain off: this is about what the cost probe measures, alone.
             params=AdaptiveParams(
                 cost_probe_every=cost_probe_every, plain_margin=0.0, plain_first=False
             ),
         )
-        hist = simulate(ctrl, make_seqs(16), lambda s, t: 0.8, live, draft, 200, random.Random(0))
+        hist = simulate(ctrl, make_seqs(16), lambda s, t: 0.4, live, draft, 200, random.Random(0))
         return ctrl, hist
 
     ctrl, hist = run(cost_probe_every=32)
-    assert any(k > 0 for k in hist[0])  # calibration says verifying is nearly free
+    assert all(k > 0 for k in hist[0])  # the calibrated plain price makes drafting look better
     assert ctrl.num_cost_probes >= 1
     # Plain from then on, but for the odd acceptance probe of a few sequences.
     assert sum(map(sum, hist[-50:])) <= 2 * 4 * 2

@@ -12,12 +12,22 @@ Each estimate is a decayed count ratio with pseudo-counts at a guess::
     a_j = (hits_j + m * guess_j) / (trials_j + m)
 
 where hits/trials decay by a factor per verify (an exponential moving average that knows how much
-data it holds; positions not reached by a verify decay too, so stale evidence fades). For a sequence the guess is the engine-wide estimate
-for the same proposer, so a new sequence starts at the engine's average and moves to its own
-numbers after a handful of verifies. Past position 1 the guess is the estimate one position
-earlier (for the sequence and for the engine alike), so a position drafted to rarely or not lately
-looks like the deepest one measured - neither stuck at an old value nor at the start-up value -
-and a controller holding k low is not kept there by a stale guess about the positions above it.
+data it holds; positions not reached by a verify decay too, so stale evidence fades).
+
+The engine-wide estimate per proposer (the prior) guesses ``initial`` at position 1 and, past it,
+its own estimate one position earlier, so a position no verify has reached lately looks like the
+deepest one measured, neither stuck at an old value nor at the start-up value.
+
+A sequence's guess at position j is the prior at position j, and its strength ``m`` is chosen
+from the data: for every verify, each candidate strength is scored by how well the estimate it
+gives would have predicted the positions that verify judged (a decayed Brier score), and the best
+scoring one is used. When sequences differ in acceptance for long stretches, small strengths
+predict better and each sequence follows its own numbers; when they do not (one workload, or
+sampled text whose per-step acceptance is mostly luck), large strengths win and a sequence stays
+near the engine's average instead of chasing its last few verifies. Chasing them is costly: a
+controller that drafts deep after a lucky streak finds acceptance back at the average (the
+estimate it chose on was the high end of its noise), and one that stops drafting after two early
+rejections gives up tokens it would have had.
 """
 
 from __future__ import annotations
@@ -65,6 +75,48 @@ def expected_tokens_table(acceptance: Sequence[float]) -> list[float]:
     return table
 
 
+# Strengths a sequence's estimate may use (pseudo-counts of the prior's guess); the tracker uses
+# the one that has predicted judged positions best lately. A sequence's counts hold about ten
+# verifies (decay 0.9), so these run from "mostly its own data" to "mostly the engine's".
+STRENGTHS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+
+
+class StrengthSelector:
+    """Decayed Brier score per candidate strength of the estimates it would have given.
+
+    Before any verify is scored (and on ties) ``default`` is used.
+    """
+
+    def __init__(self, candidates: Sequence[float], default: float, decay: float) -> None:
+        if default not in candidates:
+            raise ValueError(f"default strength {default} is not among {tuple(candidates)}")
+        self.candidates = tuple(candidates)
+        self.decay = decay
+        self.loss = [0.0] * len(self.candidates)
+        self._default = self.candidates.index(default)
+        self.best = self._default
+
+    @property
+    def strength(self) -> float:
+        return self.candidates[self.best]
+
+    def score(
+        self, counts: PositionCounts | None, prior: list[float], judged: int, accepted: int
+    ) -> None:
+        """Score every candidate on one verify that judged positions 1..``judged`` of which the
+        first ``accepted`` held, from the sequence's ``counts`` before that verify."""
+        loss, decay = self.loss, self.decay
+        for c, m in enumerate(self.candidates):
+            err = 0.0
+            for j in range(judged):
+                hits, trials = (counts.hits[j], counts.trials[j]) if counts else (0.0, 0.0)
+                a = _clip((hits + m * prior[j]) / (trials + m))
+                err += ((1.0 if j < accepted else 0.0) - a) ** 2
+            loss[c] = decay * loss[c] + err
+        default = self._default
+        self.best = min(range(len(loss)), key=lambda c: (loss[c], c != default))
+
+
 class AcceptanceTracker:
     """Per-sequence estimates with an engine-wide prior per proposer.
 
@@ -73,8 +125,11 @@ class AcceptanceTracker:
         proposer: name of the proposer whose prior new sequences inherit.
         initial: prior acceptance per position before any verify was seen.
         seq_decay: per-observation decay of a sequence's counts (0.9: about the last 10 verifies).
-        prior_decay: per-observation decay of the engine-wide counts (slower: many sequences).
-        strength: pseudo-counts of the guess in every ratio.
+        prior_decay: per-observation decay of the engine-wide counts (slower: many sequences),
+            and of the strengths' scores.
+        prior_strength: pseudo-counts of the prior's guess in the prior's ratios.
+        strengths: candidate pseudo-counts of the prior in a sequence's ratios (one value: fixed).
+        default_strength: the strength used until the scores choose one.
     """
 
     def __init__(
@@ -84,19 +139,27 @@ class AcceptanceTracker:
         initial: float = 0.7,
         seq_decay: float = 0.9,
         prior_decay: float = 0.995,
-        strength: float = 2.0,
+        prior_strength: float = 2.0,
+        strengths: Sequence[float] = STRENGTHS,
+        default_strength: float = 2.0,
     ) -> None:
         self.k_max = k_max
         self.proposer = proposer
         self.initial = initial
         self.seq_decay = seq_decay
         self.prior_decay = prior_decay
-        self.strength = strength
+        self.prior_strength = prior_strength
+        self.strengths = StrengthSelector(strengths, default_strength, prior_decay)
         self._priors: dict[str, PositionCounts] = {}
         self._seqs: dict[int, PositionCounts] = {}
         # Bumped whenever an estimate can change (observe, forget): callers may cache estimates
         # computed under one version for as long as it holds.
         self.version = 0
+
+    @property
+    def strength(self) -> float:
+        """Pseudo-counts of the prior in a sequence's estimate, as scored best lately."""
+        return self.strengths.strength
 
     def _prior_counts(self, proposer: str) -> PositionCounts:
         if proposer not in self._priors:
@@ -108,9 +171,12 @@ class AcceptanceTracker:
         if num_drafted <= 0:
             return
         self.version += 1
-        if seq_id not in self._seqs:
-            self._seqs[seq_id] = PositionCounts(self.k_max, self.seq_decay)
-        self._seqs[seq_id].update(num_drafted, num_accepted)
+        counts = self._seqs.get(seq_id)
+        judged = min(num_accepted + 1, num_drafted, self.k_max)
+        self.strengths.score(counts, self.prior(), judged, min(num_accepted, judged))
+        if counts is None:
+            counts = self._seqs[seq_id] = PositionCounts(self.k_max, self.seq_decay)
+        counts.update(num_drafted, num_accepted)
         self._prior_counts(self.proposer).update(num_drafted, num_accepted)
 
     def prior(self) -> list[float]:
@@ -120,7 +186,7 @@ class AcceptanceTracker:
         verify has reached yet looks like the deepest one measured rather than like a constant.
         """
         counts = self._prior_counts(self.proposer)
-        est, guess, m = [], self.initial, self.strength
+        est, guess, m = [], self.initial, self.prior_strength
         for hits, trials in zip(counts.hits, counts.trials, strict=True):
             guess = (hits + m * guess) / (trials + m)
             est.append(_clip(guess))
@@ -133,11 +199,11 @@ class AcceptanceTracker:
         counts = self._seqs.get(seq_id)
         if counts is None:
             return list(prior)
-        m, est, guess = self.strength, [], prior[0]
-        for hits, trials in zip(counts.hits, counts.trials, strict=True):
-            guess = _clip((hits + m * guess) / (trials + m))
-            est.append(guess)
-        return est
+        m = self.strength
+        return [
+            _clip((hits + m * guess) / (trials + m))
+            for hits, trials, guess in zip(counts.hits, counts.trials, prior, strict=True)
+        ]
 
     def expected_table(self, seq_id: int, prior: list[float], room: int) -> list[float]:
         """``expected_tokens_table(self.estimate(seq_id, prior)[:room])``, the same arithmetic in
@@ -150,14 +216,16 @@ class AcceptanceTracker:
                 total += reach
                 table.append(total)
             return table
-        m, guess = self.strength, prior[0]
-        for hits, trials in zip(counts.hits[:room], counts.trials[:room], strict=True):
-            guess = (hits + m * guess) / (trials + m)
-            if guess < 0.0:  # _clip, spelled out: max(guess, 0.0), then min(..., _MAX_ACCEPTANCE)
-                guess = 0.0
-            if guess > _MAX_ACCEPTANCE:
-                guess = _MAX_ACCEPTANCE
-            reach *= guess
+        m = self.strength
+        for hits, trials, guess in zip(
+            counts.hits[:room], counts.trials[:room], prior, strict=False
+        ):
+            a = (hits + m * guess) / (trials + m)
+            if a < 0.0:  # _clip, spelled out: max(a, 0.0), then min(..., _MAX_ACCEPTANCE)
+                a = 0.0
+            if a > _MAX_ACCEPTANCE:
+                a = _MAX_ACCEPTANCE
+            reach *= a
             total += reach
             table.append(total)
         return table

@@ -982,6 +982,7 @@ class AdaptiveController:
             "num_measured_starts": self.num_measured_starts,
             "acceptance_prior": [round(a, 4) for a in prior],
             "mean_acceptance": sum(first) / len(first) if first else prior[0],
+            "acceptance_strength": self.acceptance.strength,
             "acceptance_by_request": by_request,
             **{f"cost_{k}": v for k, v in self.cost.to_dict().items()},
         }
@@ -996,7 +997,8 @@ class AdaptiveController:
         return (
             f"mean_k={s['mean_k']:.2f} speculating={s['speculating_fraction']:.2f} "
             f"seqs={s['num_decode_seqs']} acc_prior={s['acceptance_prior']} "
-            f"acc_mean={s['mean_acceptance']:.3f} target={s['cost_target_base_s'] * 1e3:.2f}ms"
+            f"acc_mean={s['mean_acceptance']:.3f} acc_strength={s['acceptance_strength']:g} "
+            f"target={s['cost_target_base_s'] * 1e3:.2f}ms"
             f"+{s['cost_target_per_token_s'] * 1e3:.3f}ms/tok(knee {s['cost_target_knee_tokens']:.0f},"
             f" then {s['cost_target_per_token_above_knee_s'] * 1e3:.3f}ms/tok)"
             f" draft={s['cost_draft_per_forward_s'] * 1e3:.2f}ms/fwd"
