@@ -721,6 +721,11 @@ def test_draft_steps_are_priced_at_what_steps_of_their_size_measured() -> None:
     batch.assign([2] * 16)
     plain = model.target_time(16 + 32, 16)
     assert batch.step_time() == pytest.approx(plain + 1.25 * fit(big))
+    assert batch.draft_rows() == 30 + 16  # the rows the shape probe asks the factor about
+    batch.assign([0] * 15 + [1])
+    assert batch.draft_rows() == 30 / 16
+    batch.assign([0] * 16)
+    assert batch.draft_rows() == 0
 
 
 def test_one_stalled_step_cannot_price_a_row_count_out_for_good() -> None:
@@ -896,6 +901,36 @@ def test_a_row_count_mispriced_by_calibration_is_measured_live() -> None:
     assert sum(ks == [2] for ks in hist[-100:]) >= 90
     _, stuck = run(shape_probe_every=10**9)
     assert sum(ks == [2] for ks in stuck) == 0
+
+
+def test_a_draft_shape_not_measured_live_is_probed_when_near_best() -> None:
+    """Every target row count has live steps, but only four-token drafts were measured on the
+    draft side: three- and two-token drafts at four sequences are priced by a line through
+    other steps (on the real pair at code c=4: 307 ms predicted, 244 ms live). Predicted within
+    the tolerance of the best, the nearest of them runs one step, until its draft rows were
+    measured; then the controller stops probing it."""
+    flat = 0.30
+    cost = CostModel(
+        TargetCost(base=flat, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0),
+        DraftCost(per_forward=0.12, per_row=0.0, per_seq=0.0),
+    )
+    for _ in range(cost.min_measured):
+        for rows in range(4, 4 * (K_MAX + 1) + 1):
+            cost.observe_target(rows, 4, flat)
+        cost.observe_draft([(4, 4)] * 4, 0.48)
+    ctrl = AdaptiveController(K_MAX, cost=cost, acceptance=AcceptanceTracker(K_MAX, initial=0.95))
+    seqs = make_seqs(4)
+    every = ctrl.params.shape_probe_every
+    decisions = [ctrl.choose_k(seqs) for _ in range(every)]
+    probe_at = every // 2 - 1
+    assert all(ks == [4] * 4 for i, ks in enumerate(decisions) if i != probe_at)
+    assert decisions[probe_at] == [3] * 4 and ctrl.num_shape_probes == 1
+    assert cost.num_live_draft_at(12) == 0
+    for _ in range(cost.min_measured):
+        cost.observe_draft([(4, 4)] * 3, 0.36)  # 12 rows: the bucket of 8..15
+    assert cost.num_live_draft_at(8) == cost.min_measured
+    assert [ctrl.choose_k(seqs) for _ in range(every)] == [[4] * 4] * every
+    assert ctrl.num_shape_probes == 1
 
 
 # ---- stats and logging ------------------------------------------------------------------------

@@ -114,7 +114,7 @@ class AdaptiveParams:
     # and at one sequence every plain step gives up half a step's tokens.
     cost_probe_max_gain: float = 0.3
     shape_probe_every: int = 8  # how often to look for a near-best row count not measured live
-    shape_probe_tolerance: float = 0.1  # ... predicted within this share of the decided step
+    shape_probe_tolerance: float = 0.15  # ... predicted within this share of the decision
     # Before a batch starts speculating, run plain until the fit has ``CostModel.min_measured``
     # live plain steps of its size: the start is decided against a measured plain price.
     plain_first: bool = True
@@ -813,15 +813,18 @@ class AdaptiveController:
         self.num_cost_probes += 1
 
     def _shape_probe(self, terms: list[SeqTerms], batch: BatchGoodput, out: list[int]) -> None:
-        """Run the speculating sequences at another k for one step when that k's row count is
-        predicted nearly as good as the decision but has not been measured live lately.
+        """Run the speculating sequences at another k for one step when that step is predicted
+        nearly as good as the decision but its target row count, or its draft rows, have not
+        been measured live lately.
 
-        A row count the controller does not choose is never measured live, so its price stays
-        whatever a bare calibration forward or the fit said. On a CPU that can be far off (row
-        counts 3 and 5 at one sequence: 308 and 199 ms calibrated, 293 and 279 ms live), and the
-        decision then avoids a k that is as good or better, for good. Only sequences already
-        drafting move (no catch-up to pay), only to a near-best shape, and a shape stops being a
-        candidate once it has ``min_measured`` recent live steps, so the cost is bounded.
+        A shape the controller does not choose is never measured live, so its price stays
+        whatever a bare calibration forward or the fit said. On a CPU that can be far off, on
+        both sides: target row counts 3 and 5 at one sequence, 308 and 199 ms calibrated, 293 and
+        279 ms live; four sequences drafting two tokens each, 307 ms predicted by a draft line
+        fitted mostly on four-token steps, 244 ms live. The decision then avoids a k that is as
+        good or better, for good. Only sequences already drafting move (no catch-up to pay), only
+        to a near-best shape, and a shape stops being a candidate once both sides have
+        ``min_measured`` recent live steps, so the cost is bounded.
         """
         auto = [i for i, t in enumerate(terms) if t.fixed_k is None and out[i] > 0]
         if not auto:
@@ -833,10 +836,16 @@ class AdaptiveController:
             trial = list(out)
             for i in auto:
                 trial[i] = min(k, terms[i].max_k)
-            rows = round(n_fixed + sum(trial[i] for i in auto))
-            if trial == out or self.cost.num_live_at(rows) >= self.cost.min_measured:
+            if trial == out:
                 continue
+            rows = round(n_fixed + sum(trial[i] for i in auto))
             v = batch.assign(trial)
+            need = self.cost.min_measured
+            if (
+                self.cost.num_live_at(rows) >= need
+                and self.cost.num_live_draft_at(batch.draft_rows()) >= need
+            ):
+                continue
             if v >= v_out * (1.0 - self.params.shape_probe_tolerance) and (
                 best is None or v > best[0]
             ):

@@ -730,6 +730,14 @@ class CostModel:
         samples = self._measured.get(num_tokens, ())
         return sum(self.num_observations - idx <= recent for _, _, idx in samples)
 
+    def num_live_draft_at(self, rows: float, recent: int = 256) -> int:
+        """Live draft steps among the ``recent`` newest observations whose rows in all fall in
+        the same power-of-two bucket as ``rows`` (at most ``measured_window``): how much the
+        draft price of such a step rests on its own measurements (``draft_factor``) rather
+        than on the line through every draft step."""
+        samples = self._draft_measured.get(int(rows).bit_length(), ())
+        return sum(self.num_observations - idx <= recent for _, idx in samples)
+
     def _tick(self) -> None:
         self.num_observations += 1
         self._since_fit += 1

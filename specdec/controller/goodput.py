@@ -135,6 +135,22 @@ class BatchGoodput:
             still -= hist[j]
         return fit * self.cost.draft_factor(rows) + catchup_s
 
+    def draft_rows(self) -> float:
+        """Rows the draft forwards of the current assignment read in all (0: no draft runs)."""
+        hist = self.hist
+        num_drafting = len(self.terms) - hist[0]
+        if num_drafting == 0:
+            return 0.0
+        if not self.per_position_forwards:
+            return float(self.sum_k)
+        rows, still = self.rows0, num_drafting - hist[1]
+        for j in range(2, self.k_max + 1):
+            if still == 0:
+                break
+            rows += still
+            still -= hist[j]
+        return rows
+
     def _added_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
         """Seconds the decodes add to the step (the whole step when it carries no prefill)."""
         if self.exact_reference:
