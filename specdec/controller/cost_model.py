@@ -40,8 +40,9 @@ the linear-layer kernels pick their blocking by row count, so 4 rows can run fas
 slower than 6 (seen with oneDNN on two cores: 1 row 290 ms, 4 rows 185 ms, 8 rows 270 ms). So the
 model also keeps, per exact row count, the median of its last few live steps (or, before any live
 step, the calibration forward plus the fitted live-vs-bare offset; with fewer than three live steps
-such a point expires after ``stale_after`` steps without another, so one stalled step cannot price a
-row count out for good) and, where that point is off the parametric fit by more than
+such a point expires after ``stale_after`` steps without another, and is left out at once where it
+is over ``stall_ratio`` times the price the row count had without it, so one stalled step cannot
+price a row count out for good) and, where that point is off the parametric fit by more than
 ``curve_tolerance``, predicts from the points: exactly at a measured count, linearly between two,
 and beyond the largest by the parametric fit's increase. A point is shifted by the fit's per-sequence
 slope when asked about another sequence count than it was measured at.
@@ -409,6 +410,7 @@ class CostModel:
         max_measured_sizes: int = 256,
         min_measured: int = 3,
         stale_after: int = 256,
+        stall_ratio: float = 2.0,
     ) -> None:
         self.defer_refits = False
         self._fit_due = False  # refit_every observations since the last fit
@@ -433,6 +435,7 @@ class CostModel:
         self.max_measured_sizes = max_measured_sizes
         self.min_measured = min_measured
         self.stale_after = stale_after
+        self.stall_ratio = stall_ratio
         # row count -> newest live steps with that many rows: (seconds, sequences, observation
         # number); dict order is least recently measured first, at most ``max_measured_sizes``
         self._measured: dict[int, deque[tuple[float, int, int]]] = {}
@@ -499,14 +502,21 @@ class CostModel:
                     continue
                 hit = memo.get(n)
                 if hit is not None and hit[0] == newest and hit[1] == per_seq:
-                    live[n] = hit[2]
+                    t, seqs = hit[2]
+                else:
+                    seqs = statistics.fmean(s for _, s, _ in recent)
+                    # The median resists the odd stalled step; steps of this row count at other
+                    # sequence counts are first moved to the mean count by the fit's slope.
+                    t = statistics.median(t + per_seq * (seqs - s) for t, s, _ in recent)
+                    memo[n] = (newest, per_seq, (t, seqs))
+                if len(recent) < self.min_measured and t > self.stall_ratio * self._unmeasured(
+                    n, seqs, anchors
+                ):
+                    # Too few steps for the median to resist a stall, and far over the price
+                    # the row count had without them: taken for a stall until more steps agree
+                    # (a row count priced out by a stall is avoided, so never measured again).
                     continue
-                seqs = statistics.fmean(s for _, s, _ in recent)
-                # The median resists the odd stalled step; steps of this row count at other
-                # sequence counts are first moved to the mean count by the fit's slope.
-                t = statistics.median(t + per_seq * (seqs - s) for t, s, _ in recent)
                 live[n] = (t, seqs)
-                memo[n] = (newest, per_seq, (t, seqs))
             if len(memo) > 2 * self.max_measured_sizes:
                 for n in [n for n in memo if n not in self._measured]:
                     del memo[n]
@@ -539,6 +549,15 @@ class CostModel:
                 self._curve = base.with_shapes(shapes)
             self._curve_memo = (key, base, self._curve)
         return self._curve
+
+    def _unmeasured(self, n: int, seqs: float, anchors: dict[int, tuple[float, float]]) -> float:
+        """Seconds for ``n`` rows at ``seqs`` sequences without live steps of that row count: the
+        calibration forward there (plus the live offset), else the parametric fit."""
+        anchor = anchors.get(n)
+        if anchor is None:
+            return self.target(n, seqs)
+        t, s = anchor
+        return max(t + self.target.per_seq * (seqs - s), _MIN_TIME)
 
     def _curve_point(self, n: int, t: float, seqs: float) -> tuple[int, float | None, float]:
         """(rows, seconds or None, sequences) of a measured point: within ``curve_tolerance`` of
