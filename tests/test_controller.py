@@ -803,8 +803,12 @@ def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
     # Plain from then on, but for the odd acceptance probe of a few sequences.
     assert sum(map(sum, hist[-50:])) <= 2 * 4 * 2
     assert ctrl.cost.target_time(16, 16) == pytest.approx(live(16, 16), rel=0.05)
-    _, stuck = run(cost_probe_every=10**9)  # only speculating steps measured: never corrected
-    assert all(sum(ks) > 0 for ks in stuck[-50:])
+    assert sum(sum(ks) > 0 for ks in hist[:30]) <= 10
+    # Only speculating steps measured: the plain price is not corrected by a plain step. (In
+    # the long run the fit's live-vs-bare offset, learnt from speculating shapes, may get
+    # there; the cost probe gets there within its first round.)
+    _, stuck = run(cost_probe_every=10**9)
+    assert all(sum(ks) > 0 for ks in stuck[:30])
 
 
 def test_a_new_batch_size_measures_its_plain_step_soon_and_then_rarely() -> None:

@@ -125,8 +125,12 @@ class AcceptanceTracker:
         proposer: name of the proposer whose prior new sequences inherit.
         initial: prior acceptance per position before any verify was seen.
         seq_decay: per-observation decay of a sequence's counts (0.9: about the last 10 verifies).
-        prior_decay: per-observation decay of the engine-wide counts (slower: many sequences),
-            and of the strengths' scores.
+        prior_decay: per-observation decay of the engine-wide counts (slower: many sequences;
+            about the last hundred verifies, so a change of workload reaches the prior within
+            a few requests even at one sequence).
+        score_decay: per-observation decay of the strengths' scores: faster than the prior's,
+            so that when the workload changes and the prior lags, the weak strengths that
+            follow each sequence's own numbers take over until it has caught up.
         prior_strength: pseudo-counts of the prior's guess in the prior's ratios.
         strengths: candidate pseudo-counts of the prior in a sequence's ratios (one value: fixed).
         default_strength: the strength used until the scores choose one.
@@ -138,7 +142,8 @@ class AcceptanceTracker:
         proposer: str = "draft_model",
         initial: float = 0.7,
         seq_decay: float = 0.9,
-        prior_decay: float = 0.995,
+        prior_decay: float = 0.99,
+        score_decay: float = 0.98,
         prior_strength: float = 2.0,
         strengths: Sequence[float] = STRENGTHS,
         default_strength: float = 2.0,
@@ -149,7 +154,7 @@ class AcceptanceTracker:
         self.seq_decay = seq_decay
         self.prior_decay = prior_decay
         self.prior_strength = prior_strength
-        self.strengths = StrengthSelector(strengths, default_strength, prior_decay)
+        self.strengths = StrengthSelector(strengths, default_strength, score_decay)
         self._priors: dict[str, PositionCounts] = {}
         self._seqs: dict[int, PositionCounts] = {}
         # Bumped whenever an estimate can change (observe, forget): callers may cache estimates
