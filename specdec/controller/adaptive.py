@@ -33,9 +33,10 @@ Each step (``choose_k``):
    sequences costs more than a bare forward, and by a share that grows with the batch), so a cost
    curve that flatters verification is corrected; once such steps were measured, a batch predicted
    ``cost_probe_max_gain`` faster speculating is not probed again (no plausible error flips it);
-6. likewise the drafting sequences run one step at another k now and then when that step's row
-   count is predicted within ``shape_probe_tolerance`` of the decision but has few live steps
-   behind it, so a row count mispriced by calibration is measured instead of avoided for good.
+6. likewise the drafting sequences run one step at another k now and then when that step is
+   predicted within ``shape_probe_tolerance`` of the decision but its target row count or its
+   draft rows have few live steps behind them, so a shape mispriced by calibration or by the
+   draft fit is measured instead of avoided for good.
 7. a batch that is not speculating and would start runs plain first (``plain_first``) until the
    fit has ``min_measured`` live plain steps of its size, so the start is weighed against a
    measured plain price rather than one extrapolated from bare forwards and other sizes.
