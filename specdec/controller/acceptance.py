@@ -105,16 +105,27 @@ class StrengthSelector:
     ) -> None:
         """Score every candidate on one verify that judged positions 1..``judged`` of which the
         first ``accepted`` held, from the sequence's ``counts`` before that verify."""
+        # Runs for every verify of every sequence, on the step's critical path: plain loops over
+        # the judged positions only, the clip spelled out (counts and prior are >= 0).
+        hits = counts.hits[:judged] if counts else [0.0] * judged
+        trials = counts.trials[:judged] if counts else [0.0] * judged
+        outcomes = [1.0] * accepted + [0.0] * (judged - accepted)
+        judged_prior = prior[:judged]
         loss, decay = self.loss, self.decay
+        best = self._default
         for c, m in enumerate(self.candidates):
             err = 0.0
-            for j in range(judged):
-                hits, trials = (counts.hits[j], counts.trials[j]) if counts else (0.0, 0.0)
-                a = _clip((hits + m * prior[j]) / (trials + m))
-                err += ((1.0 if j < accepted else 0.0) - a) ** 2
+            for h, t, p, y in zip(hits, trials, judged_prior, outcomes, strict=True):
+                a = (h + m * p) / (t + m)
+                if a > _MAX_ACCEPTANCE:
+                    a = _MAX_ACCEPTANCE
+                err += (y - a) * (y - a)
             loss[c] = decay * loss[c] + err
-        default = self._default
-        self.best = min(range(len(loss)), key=lambda c: (loss[c], c != default))
+        best_loss = loss[best]
+        for c, value in enumerate(loss):  # the lowest loss; the default wins ties
+            if value < best_loss:
+                best, best_loss = c, value
+        self.best = best
 
 
 class AcceptanceTracker:
