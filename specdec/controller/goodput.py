@@ -117,39 +117,34 @@ class BatchGoodput:
         self.catchup_s = 0.0
 
     # ---- evaluation -------------------------------------------------------------------------
-    def _draft_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
+    def _forwards(self, hist: list[int], sum_k: int, rows0: float) -> list[tuple[float, int]]:
+        """(rows, sequences) of each draft forward for a histogram of k (none: no draft runs)."""
         num_drafting = len(self.terms) - hist[0]
         if num_drafting == 0:
-            return 0.0
-        d = self._draft
+            return []
         if not self.per_position_forwards:  # one forward drafts every position at once
-            return d(sum_k, num_drafting) * self.cost.draft_factor(sum_k) + catchup_s
+            return [(float(sum_k), num_drafting)]
         # One forward per position: the first reads rows0, forward j a row per sequence with
         # k > j.
-        fit, rows, still = d(rows0, num_drafting), rows0, num_drafting - hist[1]
+        forwards, still = [(rows0, num_drafting)], num_drafting - hist[1]
         for j in range(2, self.k_max + 1):
             if still == 0:
                 break
-            fit += d(still, still)
-            rows += still
+            forwards.append((float(still), still))
             still -= hist[j]
-        return fit * self.cost.draft_factor(rows) + catchup_s
+        return forwards
+
+    def _draft_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
+        forwards = self._forwards(hist, sum_k, rows0)
+        if not forwards:
+            return 0.0
+        d = self._draft
+        fit = sum(d(rows, seqs) for rows, seqs in forwards)
+        return fit * self.cost.draft_factor(sum(rows for rows, _ in forwards)) + catchup_s
 
     def draft_rows(self) -> float:
         """Rows the draft forwards of the current assignment read in all (0: no draft runs)."""
-        hist = self.hist
-        num_drafting = len(self.terms) - hist[0]
-        if num_drafting == 0:
-            return 0.0
-        if not self.per_position_forwards:
-            return float(self.sum_k)
-        rows, still = self.rows0, num_drafting - hist[1]
-        for j in range(2, self.k_max + 1):
-            if still == 0:
-                break
-            rows += still
-            still -= hist[j]
-        return rows
+        return sum(rows for rows, _ in self._forwards(self.hist, self.sum_k, self.rows0))
 
     def _added_time(self, hist: list[int], sum_k: int, rows0: float, catchup_s: float) -> float:
         """Seconds the decodes add to the step (the whole step when it carries no prefill)."""
