@@ -313,7 +313,8 @@ class LLMEngine:
         if spec_items:
             assert self.proposer is not None
             td = time.perf_counter()
-            for item, prop in zip(spec_items, self.proposer.propose(spec_items), strict=True):
+            props = self.proposer.propose(spec_items, self.controller.keep_drafting)
+            for item, prop in zip(spec_items, props, strict=True):
                 item.num_spec_tokens = len(prop.token_ids)
                 proposals[item.seq.seq_id] = prop
             draft_time = time.perf_counter() - td
@@ -371,7 +372,8 @@ class LLMEngine:
                 if not is_first_token:  # the prefill step is not a decode step: keep it out
                     seq.spec_stats.record(s.num_spec_tokens, n_acc, kept)
                     self.spec_stats.record(s.num_spec_tokens, n_acc, kept)
-                self._last_outcomes.append(SeqOutcome(seq, s.num_spec_tokens, n_acc))
+                conf = proposals[seq.seq_id].confidence if seq.seq_id in proposals else []
+                self._last_outcomes.append(SeqOutcome(seq, s.num_spec_tokens, n_acc, conf))
             # Rollback is arithmetic: only committed tokens minus the newest one are computed.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)

@@ -65,6 +65,9 @@ class TracingController:
     def while_target_runs(self) -> None:
         self.inner.while_target_runs()
 
+    def keep_drafting(self, seqs: list[Sequence], confidences: list[list[float]]) -> list[bool]:
+        return self.inner.keep_drafting(seqs, confidences)
+
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         ks = self.inner.choose_k(seqs)
         prior = self.model.acceptance.prior()

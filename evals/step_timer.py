@@ -63,6 +63,9 @@ class StepTimer:
     def while_target_runs(self) -> None:
         self.inner.while_target_runs()
 
+    def keep_drafting(self, seqs, confidences) -> list[bool]:
+        return self.inner.keep_drafting(seqs, confidences)
+
     def observe(self, obs) -> None:
         self.totals.num_steps += 1
         self.totals.step_time += obs.step_time

@@ -13,6 +13,8 @@ class SeqOutcome:
     seq: Sequence
     num_drafted: int  # drafts verified this step (k actually used)
     num_accepted: int  # of those, accepted
+    # the draft's probability of each draft it drew (its confidence); empty when it has none
+    draft_confidence: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -36,6 +38,13 @@ class SpeculationController(Protocol):
     def expect_prefill(self, rows: int, seqs: int) -> None:
         """The prefill rows (and their sequences) the next step can carry beside the decodes,
         told by the engine just before ``choose_k`` so their cost is known, not guessed."""
+        ...
+
+    def keep_drafting(self, seqs: list[Sequence], confidences: list[list[float]]) -> list[bool]:
+        """Asked after each draft forward about the sequences that could draft further this
+        step (those below their k): which of them should. ``confidences[i]`` holds the draft's
+        probability of each token sequence i drew so far. Must depend on nothing drawn after
+        those tokens (see ``specdec.controller.draft_stop``)."""
         ...
 
     def while_target_runs(self) -> None:
@@ -67,6 +76,9 @@ class StaticController:
 
     def expect_prefill(self, rows: int, seqs: int) -> None:
         pass  # fixed k: the step's shape does not change the decision
+
+    def keep_drafting(self, seqs: list[Sequence], confidences: list[list[float]]) -> list[bool]:
+        return [True] * len(seqs)  # fixed k: every sequence drafts its k
 
     def while_target_runs(self) -> None:
         pass

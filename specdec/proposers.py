@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -12,7 +12,12 @@ from engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_pro
 from engine.model_runner import ModelRunner, RunEntry
 from engine.sampling import RowContext
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from specdec.ngram import propose_ngram
+
+# Asked after each draft forward which of the sequences that could draft further should (see
+# ``SpeculationController.keep_drafting``); None: every sequence drafts its k.
+DraftStopRule = Callable[[list[Sequence], list[list[float]]], list[bool]]
 
 
 @dataclass
@@ -21,6 +26,9 @@ class Proposal:
     probs: (
         torch.Tensor | None
     )  # [len(token_ids), vocab] distribution each was drawn from; None = one-hot
+    # the draft's probability of each token (greedy: of its argmax, at temperature 1); empty
+    # for a proposer without a distribution
+    confidence: list[float] = field(default_factory=list)
 
 
 class Proposer(Protocol):
@@ -29,8 +37,11 @@ class Proposer(Protocol):
     # fit; a lookup proposer reports its whole lookup as one pseudo-forward.
     last_forwards: list[tuple[int, int]]
 
-    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
-        """Draft up to item.num_spec_tokens tokens after each item's sequence (one per item)."""
+    def propose(
+        self, items: list[ScheduledSeq], stop_rule: DraftStopRule | None = None
+    ) -> list[Proposal]:
+        """Draft up to item.num_spec_tokens tokens after each item's sequence (one per item),
+        fewer where ``stop_rule`` says a sequence should stop."""
         ...
 
 
@@ -44,7 +55,10 @@ class NgramProposer:
         self.n_max = n_max
         self.last_forwards: list[tuple[int, int]] = []
 
-    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+    def propose(
+        self, items: list[ScheduledSeq], stop_rule: DraftStopRule | None = None
+    ) -> list[Proposal]:
+        # Every position is drafted at once, for free: there is nothing to stop early.
         out = [
             Proposal(
                 propose_ngram(it.seq.token_ids, it.num_spec_tokens, self.n_min, self.n_max), None
@@ -74,9 +88,12 @@ class DraftModelProposer:
         self.num_forwards = 0  # observable: tests assert the draft did not run when k = 0
         self.last_forwards: list[tuple[int, int]] = []
 
-    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+    def propose(
+        self, items: list[ScheduledSeq], stop_rule: DraftStopRule | None = None
+    ) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
+        confidence: list[list[float]] = [[] for _ in items]
         active = [i for i, it in enumerate(items) if it.num_spec_tokens > 0]
         self.last_forwards = []
         step = 0
@@ -101,28 +118,47 @@ class DraftModelProposer:
                 for i in active
             ]
             p = probs_for_rows(logits, rows, self.kernels)
-            drawn = sample_from_probs(
-                p,
-                [items[i].seq.params.greedy for i in active],
-                [items[i].seq.generator for i in active],
-                self.kernels,
-            ).tolist()
+            greedy = [items[i].seq.params.greedy for i in active]
+            drawn_t = sample_from_probs(
+                p, greedy, [items[i].seq.generator for i in active], self.kernels
+            )
+            conf = _confidence(logits, p, drawn_t, greedy)
+            drawn = drawn_t.tolist()
             for row, i in enumerate(active):
                 seq = items[i].seq
                 tokens[i].append(drawn[row])
                 probs[i].append(p[row])
+                confidence[i].append(conf[row])
                 seq.num_draft_computed_tokens = seq.num_tokens + step
             step += 1
             active = [i for i in active if items[i].num_spec_tokens > step]
+            if active and stop_rule is not None:
+                keep = stop_rule([items[i].seq for i in active], [confidence[i] for i in active])
+                active = [i for i, k in zip(active, keep, strict=True) if k]
         out = []
         for i, it in enumerate(items):
             if not tokens[i]:
                 out.append(Proposal([], None))
             elif it.seq.params.greedy:
-                out.append(Proposal(tokens[i], None))  # greedy draft: q is one-hot
+                out.append(Proposal(tokens[i], None, confidence[i]))  # greedy: q is one-hot
             else:
-                out.append(Proposal(tokens[i], torch.stack(probs[i])))
+                out.append(Proposal(tokens[i], torch.stack(probs[i]), confidence[i]))
         return out
+
+
+def _confidence(
+    logits: torch.Tensor, probs: torch.Tensor, drawn: torch.Tensor, greedy: list[bool]
+) -> list[float]:
+    """The draft's probability of each drawn token: from the distribution it was drawn from, or
+    for a greedy row (whose q is one-hot) from the softmax of its logits at temperature 1."""
+    conf = probs.gather(1, drawn.view(-1, 1)).view(-1)
+    rows = [r for r, g in enumerate(greedy) if g]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        raw = logits[idx].float()
+        picked = raw.gather(1, drawn[idx].view(-1, 1)).view(-1)
+        conf = conf.index_copy(0, idx, torch.exp(picked - torch.logsumexp(raw, dim=-1)))
+    return conf.tolist()
 
 
 ProposerFactory = Callable[..., Proposer]

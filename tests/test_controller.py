@@ -46,8 +46,11 @@ def controller(
 ) -> AdaptiveController:
     """A controller on known costs. ``plain_first`` is off unless asked for: these tests check
     what a decision is worth on prices taken as given, and it would make every first few
-    decisions plain (it has its own tests)."""
+    decisions plain (it has its own tests). So is ``stop_drafts_early``, which hands every
+    drafting sequence k_max and lets the draft's confidence stop it (``test_draft_stop``): these
+    tests check the k the average acceptance gives."""
     params.setdefault("plain_first", False)
+    params.setdefault("stop_drafts_early", False)
     return AdaptiveController(
         K_MAX,
         cost=CostModel(target, draft),
@@ -898,7 +901,8 @@ def test_a_row_count_mispriced_by_calibration_is_measured_live() -> None:
             K_MAX,
             cost=cost,
             acceptance=AcceptanceTracker(K_MAX, initial=0.5),
-            params=AdaptiveParams(shape_probe_every=shape_probe_every),
+            # the k decided is the point here: no draft is deepened or stopped early
+            params=AdaptiveParams(shape_probe_every=shape_probe_every, stop_drafts_early=False),
         )
         rng = random.Random(3)
         hist = simulate(ctrl, make_seqs(1), lambda s, t: 0.5, true_target, draft, 300, rng)
@@ -1000,6 +1004,10 @@ class _ScriptedController:
     def expect_prefill(self, rows: int, seqs: int) -> None:
         self.calls.append("expect_prefill")
 
+    def keep_drafting(self, seqs, confidences) -> list[bool]:
+        self.calls.append("keep_drafting")
+        return [True] * len(seqs)
+
     def while_target_runs(self) -> None:
         self.calls.append("while_target_runs")
 
@@ -1085,7 +1093,8 @@ def test_engine_gives_the_controller_the_target_forward_window_every_step(tiny_p
         steps += 1
         calls = [c for c in ctrl.calls[before:] if c != "expect_prefill"]
         assert calls[-2:] == ["while_target_runs", "observe"]
-        assert calls[:-2] in ([], ["choose_k"])
+        # k = 2 asks once, between the two draft forwards, whether to draft the second token
+        assert calls[:-2] in ([], ["choose_k"], ["choose_k", "keep_drafting"])
     assert ctrl.calls.count("while_target_runs") == steps == len(ctrl.observed)
     assert ctrl.calls.count("choose_k") == steps - 1  # the prefill step had nothing to decide
 
@@ -1246,7 +1255,12 @@ def _trace(
         assert getattr(fast, name) == getattr(ref, name), name
     assert fast.num_changes == ref.num_changes
     assert fast.cost.to_dict() == ref.cost.to_dict()
-    assert fast.stats() == ref.stats()
+    got, want = fast.stats(), ref.stats()
+    # The predicted goodput of a probe step is priced along another path on each side and can
+    # differ in its last bits; the decisions, compared step by step above, do not.
+    key = "predicted_goodput_tokens_per_s"
+    assert got.pop(key) == pytest.approx(want.pop(key), rel=1e-12)
+    assert got == want
     return taken
 
 

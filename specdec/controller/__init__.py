@@ -10,9 +10,11 @@ from specdec.controller.acceptance import AcceptanceTracker, expected_tokens, ex
 from specdec.controller.adaptive import AdaptiveController, AdaptiveParams
 from specdec.controller.calibration import CalibrationResult, calibrate
 from specdec.controller.cost_model import CostModel, DraftCost, TargetCost, TargetSample
+from specdec.controller.draft_stop import ConfidenceCalibration
 from specdec.controller.factory import build_controller
 
 __all__ = [
+    "ConfidenceCalibration",
     "AcceptanceTracker",
     "AdaptiveController",
     "AdaptiveParams",

@@ -66,6 +66,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from specdec.controller.acceptance import AcceptanceTracker, expected_tokens_table
 from specdec.controller.cost_model import CostModel
+from specdec.controller.draft_stop import ConfidenceCalibration, continuing
 from specdec.controller.goodput import BatchGoodput, SeqTerms
 from specdec.controller.realized import RealizedGoodput
 from specdec.controller_base import SeqOutcome, StepObservation
@@ -120,6 +121,9 @@ class AdaptiveParams:
     # live plain steps of its size: the start is decided against a measured plain price.
     plain_first: bool = True
     prefill_ema: float = 0.5  # weight of the newest step in the prefill-rows estimate
+    # Stop an 'auto' sequence's draft before its k when the draft's confidence in its tokens so
+    # far says one more forward is not worth its time (``draft_stop``).
+    stop_drafts_early: bool = True
     log_every: int = 100  # debug log line every this many observed steps (0: never)
 
 
@@ -223,6 +227,12 @@ class AdaptiveController:
         self.num_cost_probes = 0
         self.num_shape_probes = 0
         self.num_changes = 0
+        self.confidence = ConfidenceCalibration(initial=self.acceptance.initial)
+        self.num_draft_stops = 0  # sequence-steps whose draft stopped before its k
+        self._decision_extra = (0.0, 0.0)  # (prefill rows, seqs) the last decision assumed
+        # seq_id -> k decided, and drafts so far this step, for every decode of the last decision
+        self._draft_ks: dict[int, int] = {}
+        self._draft_depth: dict[int, int] = {}
         # True: no caches and no shortcut, every decision computed in full (the reference the
         # equivalence test compares the fast path against; decisions are identical either way).
         self._exact_reference = False
@@ -254,6 +264,7 @@ class AdaptiveController:
         if self._expected_prefill is not None:
             extra_tokens, extra_seqs = map(float, self._expected_prefill)
             self._expected_prefill = None
+        self._decision_extra = (extra_tokens, extra_seqs)
         now = self._num_decisions
         self.cost.pin_draft_factors()  # every decision, whichever path takes it
         # Speculating already is a property of this batch, not of the last one: a batch of new
@@ -305,7 +316,27 @@ class AdaptiveController:
         self._update_states(seqs, chosen, set(probes))
         self._last = _Decision(out, batch.tokens_per_s(), batch.step_time())
         self._forget_stale()
+        if self.params.stop_drafts_early and extra_tokens < 1:
+            out = self._deepened(terms, chosen, out)
+        self._draft_ks = {s.seq_id: k for s, k in zip(seqs, out, strict=True)}
+        self._draft_depth = {s.seq_id: min(k, 1) for s, k in zip(seqs, out, strict=True)}
         return out
+
+    @staticmethod
+    def _deepened(terms: list[SeqTerms], chosen: list[int], out: list[int]) -> list[int]:
+        """``out`` with every drafting 'auto' sequence allowed its longest useful draft.
+
+        Where drafts stop early the k decided above, from average acceptance, is the wrong cap:
+        after a run of sure drafts one more forward pays although the average says it does not,
+        and ``keep_drafting`` stops the sequence where the draft's confidence says it does not
+        pay. So the decision keeps saying who drafts (k > 0) and what the step is worth (the
+        goodput ``keep_drafting`` weighs each forward against); how far each drafts is left to
+        the draft's confidence. Not in a step with prefill, whose token budget the longer drafts
+        would take from the chunk, and not for a sequence a probe moved (its k is the point)."""
+        return [
+            t.max_k if t.fixed_k is None and k > 0 and k == c else k
+            for t, c, k in zip(terms, chosen, out, strict=True)
+        ]
 
     def _pinned(
         self, seqs: list[Sequence], extra_tokens: float, extra_seqs: float
@@ -892,6 +923,57 @@ class AdaptiveController:
         self._states.pop(seq_id, None)
         self.acceptance.forget(seq_id)
 
+    def keep_drafting(self, seqs: list[Sequence], confidences: list[list[float]]) -> list[bool]:
+        """Which sequences draft one more token this step (see ``draft_stop``): 'on' ones always;
+        'auto' ones where the tokens the forward adds per second it adds beat the step's
+        predicted goodput."""
+        keep = [s.spec_mode != "auto" for s in seqs]
+        auto = [i for i, k in enumerate(keep) if not k]
+        if not auto or not self.params.stop_drafts_early:
+            return [True] * len(seqs)
+        goodput = self._last.goodput
+        if goodput <= 0:
+            return [True] * len(seqs)
+        prior = self.acceptance.prior()
+        pooled = self.confidence.pooled()
+        gains = []
+        for i in auto:
+            depth = len(confidences[i])
+            reach = self.confidence.reach(confidences[i], pooled)
+            more, total = [], 0.0
+            k = self._draft_ks.get(seqs[i].seq_id, self.k_max)
+            for a in self.acceptance.estimate(seqs[i].seq_id, prior)[depth:k]:
+                reach *= a
+                total += reach
+                more.append(total)
+            gains.append(more)
+        on = len(seqs) - len(auto)  # 'on' sequences run the next forward whatever we decide
+        # The target rows as the drafts stand now (sequences no longer asked keep the drafts
+        # they have); the next forward adds one per sequence that goes on. Priced on the
+        # measured curve, not as a slope: on a CPU a verify of 2 rows can cost more than one of 5.
+        drafted = self._draft_depth
+        for seq, conf in zip(seqs, confidences, strict=True):
+            drafted[seq.seq_id] = len(conf)
+        extra_tokens, extra_seqs = self._decision_extra
+        rows = extra_tokens + sum(1 + d for d in drafted.values())
+        num_seqs = extra_seqs + len(drafted)
+        cost = self.cost
+        draft_on = cost.draft_time([(on, on)]) if on else 0.0
+        target_now = cost.target_time(rows, num_seqs)
+
+        forward_s: dict[int, float] = {}  # n -> one more forward for n sequences
+
+        def added_seconds(n: int, m: int) -> float:
+            draft = forward_s.get(n)
+            if draft is None:
+                draft = forward_s[n] = cost.draft_time([(on + n, on + n)]) - draft_on
+            return m * draft + cost.target_time(rows + n * m, num_seqs) - target_now
+
+        for i, go_on in zip(auto, continuing(gains, added_seconds, goodput), strict=True):
+            keep[i] = go_on
+            self.num_draft_stops += not go_on
+        return keep
+
     # ---- measurements -----------------------------------------------------------------------
     def while_target_runs(self) -> None:
         """Refit the cost model if a refit is due, while the device runs the target forward.
@@ -907,6 +989,8 @@ class AdaptiveController:
         for o in obs.outcomes:
             if o.num_drafted > 0:
                 self.acceptance.observe(o.seq.seq_id, o.num_drafted, o.num_accepted)
+                if o.draft_confidence:
+                    self.confidence.observe(o.draft_confidence, o.num_drafted, o.num_accepted)
                 st = self._states.get(o.seq.seq_id)
                 if st is not None and st.probing:
                     st.probe_promising = o.num_accepted == o.num_drafted
@@ -993,6 +1077,8 @@ class AdaptiveController:
             "acceptance_prior": [round(a, 4) for a in prior],
             "mean_acceptance": sum(first) / len(first) if first else prior[0],
             "acceptance_strength": self.acceptance.strength,
+            "num_draft_stops": self.num_draft_stops,
+            "acceptance_by_confidence": [round(a, 4) for a in self.confidence.table()],
             "acceptance_by_request": by_request,
             **{f"cost_{k}": v for k, v in self.cost.to_dict().items()},
         }
