@@ -55,7 +55,7 @@ class TracingController:
         self.model = model
         self.sink = sink
         self.tags = tags
-        self._expected: dict[int, float] = {}
+        self._expected: dict[int, list[float]] = {}
         self._ks: list[int] = []
         self._predicted_step: float | None = None
 
@@ -71,9 +71,11 @@ class TracingController:
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         ks = self.inner.choose_k(seqs)
         prior = self.model.acceptance.prior()
+        # Expected tokens per draft length, read at the length actually drafted: a draft stopped
+        # early by its confidence is judged by what that length was expected to commit.
         self._expected = {
-            s.seq_id: expected_tokens_table(self.model.acceptance.estimate(s.seq_id, prior))[k]
-            for s, k in zip(seqs, ks, strict=True)
+            s.seq_id: expected_tokens_table(self.model.acceptance.estimate(s.seq_id, prior))
+            for s in seqs
         }
         self._ks = list(ks)
         own = self.inner is self.model
@@ -103,7 +105,9 @@ class TracingController:
                 "predicted_draft_s": cost.draft_time(obs.draft_forwards),
                 "predicted_step_s": self._predicted_step,
                 "draft_forwards": obs.draft_forwards,
-                "expected_tokens": sum(self._expected.values()),
+                "expected_tokens": sum(
+                    self._expected[o.seq.seq_id][o.num_drafted] for o in decodes
+                ),
                 "committed_tokens": sum(1 + o.num_accepted for o in decodes),
             }
         self.sink.write(json.dumps(line) + "\n")
