@@ -247,3 +247,32 @@ def test_a_confidence_rule_leaves_the_sampled_distribution_unchanged() -> None:
         cb = collections.Counter(x[pos] for x in stopped)
         keys = sorted(set(ca) | set(cb))
         assert chi2_contingency([[ca[k] for k in keys], [cb[k] for k in keys]])[1] > 1e-4, pos
+
+
+def test_a_probes_drafts_are_not_stopped() -> None:
+    """A shape probe runs the drafting sequences at another k for one step to measure it; cut at
+    one draft by an unsure token, it would measure the one-draft shape again and the price
+    that keeps the probed shape from being chosen would stand."""
+    flat = 0.30
+    cost = CostModel(
+        TargetCost(base=flat, per_seq=0.0, slope_low=0.0, knee=64, slope_high=0.0),
+        DraftCost(per_forward=0.12, per_row=0.0, per_seq=0.0),
+    )
+    for _ in range(cost.min_measured):  # every target row count measured, 4-draft steps only
+        for rows in range(4, 4 * 5 + 1):
+            cost.observe_target(rows, 4, flat)
+        cost.observe_draft([(4, 4)] * 4, 0.48)
+    ctrl = AdaptiveController(4, cost=cost, acceptance=AcceptanceTracker(4, initial=0.95))
+    feed(ctrl.confidence, random.Random(3), 2000)
+    seqs = make_seqs(4)
+    unsure = [[0.5]] * 4
+    probes = 0
+    for _ in range(ctrl.params.shape_probe_every):
+        ks = ctrl.choose_k(seqs)
+        keep = ctrl.keep_drafting(seqs, unsure)
+        if ks == [3] * 4:  # the probe of three-draft steps, whose draft rows were never measured
+            probes += 1
+            assert keep == [True] * 4
+        else:
+            assert ks == [4] * 4 and keep == [False] * 4
+    assert probes == 1 == ctrl.num_shape_probes

@@ -233,6 +233,7 @@ class AdaptiveController:
         # seq_id -> k decided, and drafts so far this step, for every decode of the last decision
         self._draft_ks: dict[int, int] = {}
         self._draft_depth: dict[int, int] = {}
+        self._probed: set[int] = set()  # sequences a probe moved at the last decision
         # True: no caches and no shortcut, every decision computed in full (the reference the
         # equivalence test compares the fast path against; decisions are identical either way).
         self._exact_reference = False
@@ -316,6 +317,10 @@ class AdaptiveController:
         self._update_states(seqs, chosen, set(probes))
         self._last = _Decision(out, batch.tokens_per_s(), batch.step_time())
         self._forget_stale()
+        # A probe's drafts run to its k: the shape or acceptance it is there to measure would
+        # otherwise never be seen (cut at one draft, a probe of a row count priced too dear
+        # measures one row again, and the price that keeps it from being chosen stands).
+        self._probed = {s.seq_id for s, c, k in zip(seqs, chosen, out, strict=True) if k != c}
         if self.params.stop_drafts_early and extra_tokens < 1:
             out = self._deepened(terms, chosen, out)
         self._draft_ks = {s.seq_id: k for s, k in zip(seqs, out, strict=True)}
@@ -924,10 +929,11 @@ class AdaptiveController:
         self.acceptance.forget(seq_id)
 
     def keep_drafting(self, seqs: list[Sequence], confidences: list[list[float]]) -> list[bool]:
-        """Which sequences draft one more token this step (see ``draft_stop``): 'on' ones always;
-        'auto' ones where the tokens the forward adds per second it adds beat the step's
-        predicted goodput."""
-        keep = [s.spec_mode != "auto" for s in seqs]
+        """Which sequences draft one more token this step (see ``draft_stop``): 'on' ones and
+        those a probe moved always; other 'auto' ones where the tokens the forward adds per
+        second it adds beat the step's predicted goodput."""
+        probed = self._probed
+        keep = [s.spec_mode != "auto" or s.seq_id in probed for s in seqs]
         auto = [i for i, k in enumerate(keep) if not k]
         if not auto or not self.params.stop_drafts_early:
             return [True] * len(seqs)
@@ -947,7 +953,7 @@ class AdaptiveController:
                 total += reach
                 more.append(total)
             gains.append(more)
-        on = len(seqs) - len(auto)  # 'on' sequences run the next forward whatever we decide
+        on = len(seqs) - len(auto)  # 'on' and probing ones run the next forward whatever we decide
         # The target rows as the drafts stand now (sequences no longer asked keep the drafts
         # they have); the next forward adds one per sequence that goes on. Priced on the
         # measured curve, not as a slope: on a CPU a verify of 2 rows can cost more than one of 5.
