@@ -46,6 +46,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     controller_warmup: bool = True
+    stop_drafts_early: bool = False
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

@@ -359,7 +359,13 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     engines: dict[str, LLMEngine] = {}
     # The adaptive arm's engine first: it loads the models the others share.
     for arm in ("adaptive", *(a for a in args.arms if a != "adaptive")):
-        cfg = EngineConfig(**models, **common, controller_warmup=arm == "adaptive")
+        adaptive = arm == "adaptive"
+        cfg = EngineConfig(
+            **models,
+            **common,
+            controller_warmup=adaptive,
+            stop_drafts_early=adaptive and args.stop_drafts_early,
+        )
         engine = LLMEngine(cfg, target=target, draft=draft, progress=not args.tiny)
         target, draft = engine.target, engine.draft
         engines[arm] = engine
@@ -390,6 +396,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=3,
         help="rounds per point; in a round every arm serves the same fresh requests, the arms' "
         "engines stepping in turn; throughput is the median over rounds",
+    )
+    p.add_argument(
+        "--stop-drafts-early",
+        action="store_true",
+        help="adaptive arm: draft up to k and stop on the draft's confidence (draft_stop)",
     )
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 24 tokens")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")

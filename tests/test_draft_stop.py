@@ -103,6 +103,7 @@ def test_continuing_looks_past_the_next_forward() -> None:
 
 def cpu_controller(draft: DraftCost = CPU_DRAFT, **params) -> AdaptiveController:
     params.setdefault("plain_first", False)
+    params.setdefault("stop_drafts_early", True)
     return AdaptiveController(
         4,
         cost=CostModel(CPU_TARGET, draft),
@@ -262,7 +263,12 @@ def test_a_probes_drafts_are_not_stopped() -> None:
         for rows in range(4, 4 * 5 + 1):
             cost.observe_target(rows, 4, flat)
         cost.observe_draft([(4, 4)] * 4, 0.48)
-    ctrl = AdaptiveController(4, cost=cost, acceptance=AcceptanceTracker(4, initial=0.95))
+    ctrl = AdaptiveController(
+        4,
+        cost=cost,
+        acceptance=AcceptanceTracker(4, initial=0.95),
+        params=AdaptiveParams(stop_drafts_early=True),
+    )
     feed(ctrl.confidence, random.Random(3), 2000)
     seqs = make_seqs(4)
     unsure = [[0.5]] * 4

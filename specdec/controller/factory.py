@@ -36,7 +36,7 @@ def build_controller(config: EngineConfig, engine: LLMEngine) -> SpeculationCont
         k_max,
         cost=CostModel(),
         acceptance=AcceptanceTracker(k_max, name, INITIAL_ACCEPTANCE.get(name, 0.5)),
-        params=AdaptiveParams(),
+        params=AdaptiveParams(stop_drafts_early=config.stop_drafts_early),
         per_position_forwards=has_model,
     )
     if proposer is not None and config.controller_warmup:
