@@ -125,8 +125,8 @@ class AdaptiveParams:
     # where the draft's confidence in its tokens so far says more forwards are not worth their
     # time (``draft_stop``). Off by default: in the sweep with it on (see the README) it tied or
     # beat the best arm where one or two sequences draft (open prompts at one sequence: 1.00 of
-    # fixed k=2, up from 0.97) but started speculating where it does not pay (open prompts at
-    # four sequences: 0.89 of plain).
+    # fixed k=2, up from 0.97) but lost to plain at open prompts with four and sixteen
+    # sequences (0.87 and 0.78).
     stop_drafts_early: bool = False
     log_every: int = 100  # debug log line every this many observed steps (0: never)
 
