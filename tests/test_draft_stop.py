@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from test_speculative import GREEDY
+from test_speculative import GREEDY, many_sequences_engine
 from tiny_models import make_engine, tiny_hf_model
 
 from engine.sampling_params import SamplingParams
@@ -226,15 +226,7 @@ def test_a_confidence_rule_leaves_the_sampled_distribution_unchanged() -> None:
     ]
 
     def run(mode: str, rule: _StopAfter | None = None) -> list[tuple[int, ...]]:
-        engine = make_engine(
-            tgt,
-            drf,
-            speculative_mode=mode,
-            num_speculative_tokens=3,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            num_kv_blocks=600,
-        )
+        engine = many_sequences_engine(tgt, drf, mode)
         if rule is not None:
             engine.controller = rule
         return [tuple(o.output_token_ids) for o in engine.generate([prompt] * n, params)]

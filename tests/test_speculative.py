@@ -189,6 +189,19 @@ def test_eos_inside_an_accepted_run(target, same_as_target):
     assert out.finish_reason == "stop"
 
 
+def many_sequences_engine(tgt, drf, mode: str):
+    """k = 3 and room for thousands of short seeded requests, 64 at a time (distribution tests)."""
+    return make_engine(
+        tgt,
+        drf,
+        speculative_mode=mode,
+        num_speculative_tokens=3,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        num_kv_blocks=600,
+    )
+
+
 def test_sampled_speculative_output_follows_the_target_distribution():
     """Statistical end-to-end check through the engine: tokens 0..2 of many seeded requests
     with speculation on have the same distribution as plain sampling (two-sample chi-square),
@@ -202,15 +215,7 @@ def test_sampled_speculative_output_follows_the_target_distribution():
     prompt = [3, 5, 7]
 
     def run(mode, always_accept=False):
-        engine = make_engine(
-            tgt,
-            drf,
-            speculative_mode=mode,
-            num_speculative_tokens=3,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            num_kv_blocks=600,
-        )
+        engine = many_sequences_engine(tgt, drf, mode)
         if always_accept:
             import engine.llm_engine as le
 
