@@ -332,7 +332,6 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     """One engine per arm, all on the same loaded models, each with its own KV pool, scheduler
     and controller. Only the adaptive arm's engine calibrates its controller at start-up."""
     common = dict(
-        num_speculative_tokens=4,
         speculative_mode="auto",
         max_num_seqs=max(args.concurrency),
         max_model_len=args.max_model_len,
@@ -363,6 +362,8 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
         cfg = EngineConfig(
             **models,
             **common,
+            # Caps the adaptive arm's k; the fixed arms' StaticControllers choose their own.
+            num_speculative_tokens=args.adaptive_max_k if adaptive else 4,
             controller_warmup=adaptive,
             stop_drafts_early=adaptive and args.stop_drafts_early,
         )
@@ -401,6 +402,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--stop-drafts-early",
         action="store_true",
         help="adaptive arm: draft up to k and stop on the draft's confidence (draft_stop)",
+    )
+    p.add_argument(
+        "--adaptive-max-k",
+        type=int,
+        default=4,
+        help="adaptive arm: the longest draft it may choose (the fixed arms draft 2 and 4)",
     )
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 24 tokens")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
