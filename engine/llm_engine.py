@@ -313,7 +313,10 @@ class LLMEngine:
         if spec_items:
             assert self.proposer is not None
             td = time.perf_counter()
-            props = self.proposer.propose(spec_items, self.controller.keep_drafting)
+            stop_rule = (
+                self.controller.keep_drafting if self.controller.stops_drafts_early else None
+            )
+            props = self.proposer.propose(spec_items, stop_rule)
             for item, prop in zip(spec_items, props, strict=True):
                 item.num_spec_tokens = len(prop.token_ids)
                 proposals[item.seq.seq_id] = prop

@@ -65,6 +65,10 @@ class TracingController:
     def while_target_runs(self) -> None:
         self.inner.while_target_runs()
 
+    @property
+    def stops_drafts_early(self) -> bool:
+        return self.inner.stops_drafts_early
+
     def keep_drafting(self, seqs: list[Sequence], confidences: list[list[float]]) -> list[bool]:
         return self.inner.keep_drafting(seqs, confidences)
 

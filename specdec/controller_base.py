@@ -31,6 +31,10 @@ class StepObservation:
 
 
 class SpeculationController(Protocol):
+    # Whether ``keep_drafting`` may stop a sequence short of its k. When False the engine does
+    # not ask it, and the proposer skips the confidences only that question reads.
+    stops_drafts_early: bool
+
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         """k for each decode-ready sequence (0 = plain decode, no draft work for it)."""
         ...
@@ -65,6 +69,8 @@ class SpeculationController(Protocol):
 
 class StaticController:
     """k_max for 'on' and 'auto' sequences, 0 for 'off': fixed-k speculation."""
+
+    stops_drafts_early = False  # fixed k: every sequence drafts its k
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max

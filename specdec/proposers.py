@@ -27,7 +27,7 @@ class Proposal:
         torch.Tensor | None
     )  # [len(token_ids), vocab] distribution each was drawn from; None = one-hot
     # the draft's probability of each token (greedy: of its argmax, at temperature 1); empty
-    # for a proposer without a distribution
+    # for a proposer without a distribution, or when no stop rule asked for them
     confidence: list[float] = field(default_factory=list)
 
 
@@ -122,13 +122,15 @@ class DraftModelProposer:
             drawn_t = sample_from_probs(
                 p, greedy, [items[i].seq.generator for i in active], self.kernels
             )
-            conf = _confidence(logits, p, drawn_t, greedy)
+            # Only a stop rule reads confidences: without one, skip their kernels and copy.
+            conf = _confidence(logits, p, drawn_t, greedy) if stop_rule is not None else None
             drawn = drawn_t.tolist()
             for row, i in enumerate(active):
                 seq = items[i].seq
                 tokens[i].append(drawn[row])
                 probs[i].append(p[row])
-                confidence[i].append(conf[row])
+                if conf is not None:
+                    confidence[i].append(conf[row])
                 seq.num_draft_computed_tokens = seq.num_tokens + step
             step += 1
             active = [i for i in active if items[i].num_spec_tokens > step]

@@ -995,6 +995,8 @@ class _ScriptedController:
         self.observed: list[StepObservation] = []
         self.calls: list[str] = []  # every call, in order
 
+    stops_drafts_early = True  # asked after every draft forward but the last, so it is seen
+
     def choose_k(self, seqs):
         self.calls.append("choose_k")
         k = self.script[len(self.returned) % len(self.script)]

@@ -143,11 +143,11 @@ def test_on_sequences_and_a_disabled_rule_draft_their_k() -> None:
 
 
 def test_the_adaptive_controller_learns_confidence_from_the_engine() -> None:
-    """End to end on a tiny pair: verifies carry the draft's confidences, the controller's
-    calibration learns from them, and stops happen."""
+    """End to end on a tiny pair with the rule on: verifies carry the draft's confidences and
+    the controller's calibration learns from them."""
     target = tiny_hf_model("qwen2", seed=0)
     draft = tiny_hf_model("qwen2", seed=11, layers=1, hidden=32)
-    engine = make_engine(target, draft, num_speculative_tokens=3)
+    engine = make_engine(target, draft, num_speculative_tokens=3, stop_drafts_early=True)
     assert isinstance(engine.controller, AdaptiveController)
     free0 = engine.allocator.num_free_blocks
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0)
@@ -156,9 +156,34 @@ def test_the_adaptive_controller_learns_confidence_from_the_engine() -> None:
     assert engine.allocator.num_free_blocks == free0
 
 
+def test_with_the_rule_off_no_confidence_is_computed_or_asked_about() -> None:
+    """Off (the default), the engine never asks ``keep_drafting`` and the proposer reports no
+    confidences: the draft's hot path does no work for a rule nobody runs."""
+    target = tiny_hf_model("qwen2", seed=0)
+    draft = tiny_hf_model("qwen2", seed=11, layers=1, hidden=32)
+    engine = make_engine(target, draft, num_speculative_tokens=3)
+    ctrl = engine.controller
+    assert isinstance(ctrl, AdaptiveController) and not ctrl.stops_drafts_early
+    asked, seen = [], []
+    keep_drafting, observe = ctrl.keep_drafting, ctrl.observe
+    ctrl.keep_drafting = lambda seqs, conf: asked.append(len(seqs)) or keep_drafting(seqs, conf)
+
+    def record(obs):
+        seen.extend(o.draft_confidence for o in obs.outcomes if o.num_drafted)
+        observe(obs)
+
+    ctrl.observe = record
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0)
+    engine.generate([[5, 6, 7, 8]] * 4, [params] * 4, speculative="on")
+    assert seen and all(c == [] for c in seen)  # drafts were verified, none carried confidence
+    assert asked == [] and ctrl.confidence.num_judged == 0
+
+
 class _StopAfter(StaticController):
     """Fixed k, but each sequence stops drafting once its last draft's confidence is below
     ``threshold``; counts the stops."""
+
+    stops_drafts_early = True
 
     def __init__(self, k_max: int, threshold: float) -> None:
         super().__init__(k_max)
@@ -194,7 +219,9 @@ def test_greedy_confidence_is_the_drafts_softmax_probability() -> None:
     probability (temperature 1) of the token it then commits."""
     target = tiny_hf_model("qwen2", seed=0)
     same = tiny_hf_model("qwen2", seed=0)
-    engine = make_engine(target, same, num_speculative_tokens=2, speculative_mode="on")
+    engine = make_engine(
+        target, same, num_speculative_tokens=2, speculative_mode="on", stop_drafts_early=True
+    )
     seen = []
     observe = engine.controller.observe
 

@@ -932,6 +932,12 @@ class AdaptiveController:
         self._states.pop(seq_id, None)
         self.acceptance.forget(seq_id)
 
+    @property
+    def stops_drafts_early(self) -> bool:
+        # Off (the default), nobody asks keep_drafting and the calibration learns nothing: the
+        # confidences it learns from are computed only for the rule that reads them.
+        return self.params.stop_drafts_early
+
     def keep_drafting(self, seqs: list[Sequence], confidences: list[list[float]]) -> list[bool]:
         """Which sequences draft one more token this step (see ``draft_stop``): 'on' ones and
         those a probe moved always; other 'auto' ones where the tokens the forward adds per
