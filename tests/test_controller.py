@@ -1235,6 +1235,7 @@ def _trace(
         ks = fast.choose_k(seqs)
         assert ks == ref.choose_k(seqs), f"step {step}"
         assert fast.predicted_step_time_s == ref.predicted_step_time_s
+        assert fast._last.goodput == ref._last.goodput, f"step {step}"
         if overlap:
             fast.while_target_runs()
             ref.while_target_runs()
@@ -1257,12 +1258,7 @@ def _trace(
         assert getattr(fast, name) == getattr(ref, name), name
     assert fast.num_changes == ref.num_changes
     assert fast.cost.to_dict() == ref.cost.to_dict()
-    got, want = fast.stats(), ref.stats()
-    # The predicted goodput of a probe step is priced along another path on each side and can
-    # differ in its last bits; the decisions, compared step by step above, do not.
-    key = "predicted_goodput_tokens_per_s"
-    assert got.pop(key) == pytest.approx(want.pop(key), rel=1e-12)
-    assert got == want
+    assert fast.stats() == ref.stats()
     return taken
 
 

@@ -318,6 +318,7 @@ class AdaptiveController:
         elif now % p.shape_probe_every == p.shape_probe_every // 2:
             self._shape_probe(terms, batch, out)
         batch.assign(out)  # the predicted step below is the one that will run
+        batch.resum()  # priced the same however the search reached it
         self._update_states(seqs, chosen, set(probes))
         self._last = _Decision(out, batch.tokens_per_s(), batch.step_time())
         self._forget_stale()
@@ -379,6 +380,7 @@ class AdaptiveController:
             terms = self._all_terms(snapshot, self.acceptance.prior())
             batch = self._objective(terms, extra_tokens, extra_seqs)
             batch.assign(out)
+            batch.resum()  # as choose_k prices its decision
             return batch.tokens_per_s(), batch.step_time()
 
         self._last = _Decision(out, price=price)

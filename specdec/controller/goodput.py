@@ -222,6 +222,19 @@ class BatchGoodput:
         self.ks[i] = k
         self._changed()
 
+    def resum(self) -> None:
+        """Recompute the running sums from the assignment, in sequence order.
+
+        ``set`` and ``assign`` keep them by adding and subtracting each move, so after a search
+        they carry rounding that depends on the moves that led there: two paths to the same
+        assignment (a shortcut and the full search) could price it a few ulps apart. Summed
+        afresh, the same assignment always gets the same figure."""
+        terms, ks = self.terms, self.ks
+        self.sum_gain = sum((t.gains[k] for t, k in zip(terms, ks, strict=True)), 0.0)
+        self.rows0 = sum((t.catchup_rows for t, k in zip(terms, ks, strict=True) if k > 0), 0.0)
+        self.catchup_s = sum((t.catchup_s for t, k in zip(terms, ks, strict=True) if k > 0), 0.0)
+        self._changed()
+
     def _changed(self) -> None:
         self._current = None
         if self._move_rows:
