@@ -731,13 +731,15 @@ def test_draft_steps_are_priced_at_what_steps_of_their_size_measured() -> None:
     assert batch.draft_rows() == 0
 
 
-def test_one_stalled_step_cannot_price_a_row_count_out_for_good() -> None:
-    """A row count measured once, during a stall, would look expensive, so the controller would
-    avoid it and never measure it again (the real pair at one sequence: one two-row step ran
-    870 ms against about 250, and k = 1 was off the table for the rest of the run). A point of
-    fewer than three steps over twice the price the row count had without it is taken for a
-    stall and left out; one less far off is kept, but expires when no step there follows.
-    Three steps make a point that stays, however far off."""
+def test_neither_a_stall_nor_a_slow_spell_prices_a_row_count_out_for_good() -> None:
+    """A row count measured during a stall would look expensive, so the controller would avoid
+    it and never measure it again (the real pair at one sequence: one two-row step ran 870 ms
+    against about 250, and k = 1 was off the table for the rest of the run). A point of fewer
+    than three steps over twice the price the row count had without it is taken for a stall and
+    left out; one less far off is kept, but expires when no step there follows. Three steps
+    make a point that stands, however far off, while it is recent: a slow spell (the real pair
+    at code c=1: five steps of 3 and 4 drafts at three times their price while another job
+    ran, and drafts of 3 and 4 were off the table for the rest of the run) expires too."""
     fit = TargetCost(base=0.3, per_seq=0.0, slope_low=0.01, knee=64, slope_high=0.01)
     model = CostModel(fit, stale_after=20)
     before = model.target_time(16, 16)
@@ -758,8 +760,51 @@ def test_one_stalled_step_cannot_price_a_row_count_out_for_good() -> None:
     assert model.target_time(16, 16) == pytest.approx(before, rel=0.05)  # expired
     for _ in range(3):
         model.observe_target(16, 16, 3 * before)
+    for _ in range(16):  # the spell's point stands while its steps are recent
+        model.observe_target(8, 8, fit(8, 8))
+        assert model.target_time(16, 16) == pytest.approx(3 * before, rel=0.05)
     other_sizes()
-    assert model.target_time(16, 16) == pytest.approx(3 * before, rel=0.05)
+    assert model.target_time(16, 16) == pytest.approx(before, rel=0.05)
+
+
+def test_after_a_slow_spell_the_controller_returns_to_the_draft_length_that_pays() -> None:
+    """One sequence, acceptance 0.9, drafts cheap: k = 4 pays best. Steps of 3 and 4 drafts ran
+    during a slow spell (another job on the machine) at three times their price, those of 2
+    drafts after it: as on the real pair at code c=1, the controller settles at k = 2, and the
+    spell's prices would stand for good, since shapes priced out are never run again. Once the
+    spell's steps are ``stale_after`` old they no longer count, and k = 4 comes back."""
+    target = TargetCost(base=0.1, per_seq=0.0, slope_low=0.001, knee=64, slope_high=0.001)
+    draft = DraftCost(per_forward=0.02, per_row=0.0, per_seq=0.0)
+    ctrl = AdaptiveController(
+        4,
+        cost=CostModel(target, draft, stale_after=64),
+        acceptance=AcceptanceTracker(4, initial=0.9),
+    )
+    ctrl.cost.seed([TargetSample(r, 1, target(r, 1)) for r in range(1, 6)], [])
+    rng = random.Random(0)
+    seqs = make_seqs(1)
+
+    def step(ks: list[int], slowdown: float) -> None:
+        forwards = draft_forwards(seqs, ks)
+        outcomes = [verify_step(seqs[0], ks[0], 0.9, rng)]
+        rows = 1 + ks[0]
+        t_target = target(rows, 1) * slowdown * (1 + 0.02 * rng.gauss(0, 1))
+        t_draft = sum(draft(r, n) for r, n in forwards) * slowdown * (1 + 0.02 * rng.gauss(0, 1))
+        ctrl.observe(
+            StepObservation(t_target + t_draft, t_draft, t_target, rows, 1, forwards, outcomes)
+        )
+
+    for k, slowdown in [(4, 3.0)] * 5 + [(3, 3.0)] * 5 + [(2, 1.0)] * 5:
+        ctrl.choose_k(seqs)  # the decision, overruled by the history being replayed
+        step([k], slowdown)
+    chosen = []
+    for _ in range(200):
+        ks = ctrl.choose_k(seqs)
+        chosen.append(ks[0])
+        step(ks, 1.0)
+    assert chosen[:40].count(4) <= 4  # the spell's prices stand while its steps are recent
+    assert chosen[-100:].count(4) >= 90  # and then no longer
+    assert ctrl.cost.stale_after == 64 < 15 + 100
 
 
 def test_measured_row_counts_are_bounded_least_recent_forgotten() -> None:

@@ -23,7 +23,7 @@ four-sequence catch-up of 241 rows at 0.37 s; it ran 1.6 s. The knee is chosen f
 for the target; calibration times one catch-up-sized forward so that it is known from the start.
 A step's draft price is the fit times the median measured / fitted ratio of recent live draft
 steps with about as many rows (within a factor of two), where that ratio is off 1 by more than
-``curve_tolerance`` and rests on ``min_measured`` steps, the newest within ``stale_after``.
+``curve_tolerance`` and rests on ``min_measured`` steps within the last ``stale_after``.
 
 Fitting is weighted least squares of *relative* errors (timing noise is multiplicative, and a
 short decode step matters as much as a long prefill step) over a window of recent steps, weights
@@ -39,18 +39,21 @@ Measured curve on top: the parametric form is smooth, but a real step time need 
 the linear-layer kernels pick their blocking by row count, so 4 rows can run faster than 1 and 8
 slower than 6 (seen with oneDNN on two cores: 1 row 290 ms, 4 rows 185 ms, 8 rows 270 ms). So the
 model also keeps, per exact row count, the median of its last few live steps (or, before any live
-step, the calibration forward plus the fitted live-vs-bare offset; with fewer than three live steps
-such a point expires after ``stale_after`` steps without another, and is left out at once where it
-is over ``stall_ratio`` times the price the row count had without it, so one stalled step cannot
-price a row count out for good) and, where that point is off the parametric fit by more than
-``curve_tolerance``, predicts from the points: exactly at a measured count, linearly between two,
-and beyond the largest by the parametric fit's increase. A point is shifted by the fit's per-sequence
+step, the calibration forward plus the fitted live-vs-bare offset). Only steps of the last
+``stale_after`` observations count: a point with none that recent expires and the earlier estimate
+returns, so neither one stalled step nor a slow spell of a shared machine (at code c=1, five steps
+measured at three times their price while another job ran priced drafts of 3 and 4 out for the
+rest of the run) can price a row count out for good; a point resting on fewer than three steps is
+also left out at once where it is over ``stall_ratio`` times the price the row count had without
+them. Where a point is off the parametric fit by more than ``curve_tolerance``, the model predicts
+from the points: exactly at a measured count, linearly between two, and beyond the largest by the
+parametric fit's increase. A point is shifted by the fit's per-sequence
 slope when asked about another sequence count than it was measured at.
 The parametric fit alone answers only where no step of any size was measured yet.
 
-Exact shapes first: a (rows, sequences) shape with ``min_measured`` live steps, the newest within
-``stale_after`` steps, is priced at the median of its own recent steps where the curve is off that
-by more than ``curve_tolerance``.
+Exact shapes first: a (rows, sequences) shape with ``min_measured`` live steps within the last
+``stale_after`` observations is priced at the median of those where the curve is off that by more
+than ``curve_tolerance``.
 The per-row point mixes shapes (16 rows are 16 plain decodes or 8 sequences verifying one draft
 each; on a two-core CPU the first measured 540 ms and the second 600 ms, and the shift by the
 fit's per-sequence slope priced the plain step at 650 ms), and a decision between exactly those
@@ -454,11 +457,11 @@ class CostModel:
         self._factors_as_of: int | None = None
         self.draft_epoch = 0
         # target_curve's pieces, recomputed only where their inputs changed: row count ->
-        # (newest observation, per-seq slope, (seconds, sequences)); the anchors' points under
-        # (anchor list, offset); shape -> (newest observation, median)
-        self._point_memo: dict[int, tuple[int, float, tuple[float, float]]] = {}
+        # (newest observation, steps counted, per-seq slope, (seconds, sequences)); the anchors'
+        # points under (anchor list, offset); shape -> (newest observation, steps counted, median)
+        self._point_memo: dict[int, tuple[int, int, float, tuple[float, float]]] = {}
         self._anchor_memo: tuple[object, float, dict[int, tuple[float, float]]] | None = None
-        self._shape_memo: dict[tuple[int, int], tuple[int, float]] = {}
+        self._shape_memo: dict[tuple[int, int], tuple[int, int, float]] = {}
         # the last curve: ((fit, anchors, live points as kept), curve without shapes, curve)
         self._curve_memo: tuple[tuple, TargetCurve, TargetCurve] | None = None
         # True: no memo is used (target curve pieces, the draft fit, the feature columns): the
@@ -490,25 +493,26 @@ class CostModel:
             anchors = self._anchor_points()  # rows -> (seconds, sequences); same dict until changed
             live: dict[int, tuple[float, float]] = {}
             memo, per_seq = self._point_memo, fit.per_seq
+            oldest_counted = self.num_observations - self.stale_after
             for n, recent in self._measured.items():
                 newest = recent[-1][2]
-                if (
-                    len(recent) < self.min_measured
-                    and self.num_observations - newest > self.stale_after
-                ):
-                    # Too few steps for the median to resist a stall, and none lately: a row
-                    # count priced out by one stall would be avoided, so never measured again,
-                    # so never corrected. Such a point expires; the earlier estimate returns.
+                if newest < oldest_counted:
+                    # No step of this row count lately. Its steps speak for the machine as it
+                    # was: a slow spell on a shared machine (or one stalled step) can price a
+                    # row count out, and a row count priced out is avoided, so never measured
+                    # again, so never corrected. The point expires; the earlier estimate returns.
                     continue
+                if recent[0][2] < oldest_counted:  # only the steps of the last stale_after count
+                    recent = [x for x in recent if x[2] >= oldest_counted]
                 hit = memo.get(n)
-                if hit is not None and hit[0] == newest and hit[1] == per_seq:
-                    t, seqs = hit[2]
+                if hit is not None and hit[:3] == (newest, len(recent), per_seq):
+                    t, seqs = hit[3]
                 else:
                     seqs = statistics.fmean(s for _, s, _ in recent)
                     # The median resists the odd stalled step; steps of this row count at other
                     # sequence counts are first moved to the mean count by the fit's slope.
                     t = statistics.median(t + per_seq * (seqs - s) for t, s, _ in recent)
-                    memo[n] = (newest, per_seq, (t, seqs))
+                    memo[n] = (newest, len(recent), per_seq, (t, seqs))
                 if len(recent) < self.min_measured and t > self.stall_ratio * self._unmeasured(
                     n, seqs, anchors
                 ):
@@ -584,16 +588,18 @@ class CostModel:
         the curve is off it by more than ``curve_tolerance`` (within that, the curve pools more
         steps and jitters less: two shapes' medians a few percent apart would flip decisions)."""
         out, memo = {}, self._shape_memo
+        oldest_counted = self.num_observations - self.stale_after
         for (n, s), recent in self._measured_shapes.items():
             newest = recent[-1][1]
-            fresh = self.num_observations - newest <= self.stale_after
-            if len(recent) >= self.min_measured and fresh:
+            if recent[0][1] < oldest_counted:  # as for row counts: recent steps only
+                recent = [x for x in recent if x[1] >= oldest_counted]
+            if len(recent) >= self.min_measured:
                 hit = memo.get((n, s))
-                if hit is not None and hit[0] == newest:
-                    t = hit[1]
+                if hit is not None and hit[:2] == (newest, len(recent)):
+                    t = hit[2]
                 else:
                     t = statistics.median(t for t, _ in recent)
-                    memo[(n, s)] = (newest, t)
+                    memo[(n, s)] = (newest, len(recent), t)
                 c = curve(n, s)
                 if abs(t - c) > self.curve_tolerance * c:
                     out[(n, s)] = t
@@ -632,18 +638,21 @@ class CostModel:
             factor = 1.0
             recent = self._draft_measured.get(bucket, ())
             self.pin_draft_factors()
-            fresh = recent and self._factors_as_of - recent[-1][1] <= self.stale_after
-            if len(recent) >= self.min_measured and fresh:
+            oldest_counted = self._factors_as_of - self.stale_after
+            if recent and recent[0][1] < oldest_counted:  # as for row counts: recent steps only
+                recent = [x for x in recent if x[1] >= oldest_counted]
+            if len(recent) >= self.min_measured:
                 # The same samples under the same fit give the same median: keep it per bucket
-                # until either changes (the newest sample object stands for the bucket's steps:
-                # they are only ever appended, each a new object).
-                key = (recent[-1][0], self.draft)  # every sample is a new object
+                # until either changes (the newest sample object and the count stand for the
+                # bucket's steps: they are only ever appended, each a new object).
+                key = (recent[-1][0], len(recent), self.draft)  # every sample is a new object
                 hit = self._ratio_memo.get(bucket)
                 if (
                     hit is not None
                     and not self.exact_reference
                     and hit[0][0] is key[0]
-                    and hit[0][1] is key[1]
+                    and hit[0][1] == key[1]
+                    and hit[0][2] is key[2]
                 ):
                     ratio = hit[1]
                 else:
