@@ -74,6 +74,17 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+
+def _counted(steps: Sequence[tuple], at: int, oldest: int) -> Sequence[tuple]:
+    """The steps (oldest first, observation number at index ``at``) measured at or after
+    observation ``oldest``: only the last ``stale_after`` observations' steps count, since older
+    ones speak for the machine as it was. Returned as is when all of them count (the usual
+    case: no copy)."""
+    if not steps or steps[0][at] >= oldest:
+        return steps
+    return [s for s in steps if s[at] >= oldest]
+
+
 # Knees tried when fitting (rows in the target forward). Beyond the data a knee means "linear".
 KNEE_GRID = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 _HUBER_K = 2.5  # residuals beyond this many robust sigmas get down-weighted
@@ -502,8 +513,7 @@ class CostModel:
                     # row count out, and a row count priced out is avoided, so never measured
                     # again, so never corrected. The point expires; the earlier estimate returns.
                     continue
-                if recent[0][2] < oldest_counted:  # only the steps of the last stale_after count
-                    recent = [x for x in recent if x[2] >= oldest_counted]
+                recent = _counted(recent, 2, oldest_counted)
                 hit = memo.get(n)
                 if hit is not None and hit[:3] == (newest, len(recent), per_seq):
                     t, seqs = hit[3]
@@ -591,8 +601,7 @@ class CostModel:
         oldest_counted = self.num_observations - self.stale_after
         for (n, s), recent in self._measured_shapes.items():
             newest = recent[-1][1]
-            if recent[0][1] < oldest_counted:  # as for row counts: recent steps only
-                recent = [x for x in recent if x[1] >= oldest_counted]
+            recent = _counted(recent, 1, oldest_counted)
             if len(recent) >= self.min_measured:
                 hit = memo.get((n, s))
                 if hit is not None and hit[:2] == (newest, len(recent)):
@@ -639,8 +648,7 @@ class CostModel:
             recent = self._draft_measured.get(bucket, ())
             self.pin_draft_factors()
             oldest_counted = self._factors_as_of - self.stale_after
-            if recent and recent[0][1] < oldest_counted:  # as for row counts: recent steps only
-                recent = [x for x in recent if x[1] >= oldest_counted]
+            recent = _counted(recent, 1, oldest_counted)
             if len(recent) >= self.min_measured:
                 # The same samples under the same fit give the same median: keep it per bucket
                 # until either changes (the newest sample object and the count stand for the
