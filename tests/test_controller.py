@@ -130,7 +130,9 @@ def test_a_batch_already_speculating_keeps_on_within_the_hysteresis_band() -> No
     assert controller(0.365, target, draft).choose_k(seqs) == [0]
 
     def after(first: float, prefill: bool, **params: float) -> list[int]:
-        ctrl = controller(first, target, draft, cost_probe_every=10**9, **params)
+        # The fresh tracker below stands for acceptance falling, not for an engine that has
+        # seen no verify: no probe for want of data.
+        ctrl = controller(first, target, draft, cost_probe_every=10**9, cold_probe=False, **params)
         if prefill:
             ctrl.expect_prefill(40, 1)
         assert ctrl.choose_k(seqs)[0] > 0
@@ -351,6 +353,30 @@ def test_scheduler_reports_the_prefill_rows_the_next_step_can_carry(tiny_pair) -
     assert engine.scheduler.pending_prefill() == (0, 0)
 
 
+def test_without_acceptance_data_the_first_request_is_probed_at_once() -> None:
+    """The start-up guess (0.2 here) holds a lone sequence plain. Until some verify was seen
+    nothing better is known, so the first request is probed as soon as plain first allows
+    rather than on the probe schedule: at its second decision (its first one meets it), or,
+    with plain first on, once ``min_measured`` live plain steps priced the plain step."""
+
+    def first_draft(ctrl: AdaptiveController) -> int:
+        hist = simulate(
+            ctrl, make_seqs(1), lambda s, t: 0.95, GPU_TARGET, GPU_DRAFT, 60, random.Random(5)
+        )
+        return next(i for i, ks in enumerate(hist) if ks[0] > 0)
+
+    assert first_draft(controller(0.2)) == 1
+    assert first_draft(controller(0.2, cold_probe=False)) == 2 * AdaptiveParams().probe_every - 1
+    ctrl = controller(0.2, plain_first=True)
+    assert first_draft(ctrl) == ctrl.cost.min_measured
+    # With acceptance data (an earlier sequence's poor verifies) the schedule applies again: a
+    # new sequence held plain waits for a multiple of probe_every after its own probe interval.
+    ctrl = controller(0.2)
+    for _ in range(5):
+        ctrl.acceptance.observe(99, 2, 0)
+    assert first_draft(ctrl) >= 2 * ctrl.params.probe_every - 1
+
+
 def test_reprobing_brings_a_sequence_back_after_its_acceptance_rises() -> None:
     rise_at = 150
 
@@ -417,7 +443,9 @@ def test_probing_costs_at_most_about_its_budget() -> None:
     draft = DraftCost(per_forward=0.02, per_row=0.01, per_seq=0.0)
 
     def run(**params: float) -> tuple[float, AdaptiveController]:
-        ctrl = controller(0.1, target, draft, cost_probe_every=10**9, **params)
+        # Scheduled probes only: the one probe of the first wave made for want of any
+        # acceptance data is not what the budget is about.
+        ctrl = controller(0.1, target, draft, cost_probe_every=10**9, cold_probe=False, **params)
         seconds = 0.0
         observe = ctrl.observe
 
@@ -504,7 +532,9 @@ def test_no_flapping_on_noisy_inputs() -> None:
 
     def run(margin: float) -> AdaptiveController:
         rng = random.Random(1)
-        ctrl = controller(a, margin=margin, plain_margin=margin)
+        # Held decisions on noisy prices are the subject, not the first probe made for want of
+        # acceptance data (which starts the batch drafting at k = 1, a tie with plain here).
+        ctrl = controller(a, margin=margin, plain_margin=margin, cold_probe=False)
         simulate(ctrl, make_seqs(8), lambda s, t: a, GPU_TARGET, GPU_DRAFT, 400, rng, noise=0.1)
         return ctrl
 

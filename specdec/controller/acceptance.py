@@ -246,6 +246,11 @@ class AcceptanceTracker:
             table.append(total)
         return table
 
+    def has_prior_data(self) -> bool:
+        """Whether any verify of this proposer was seen (else the prior is ``initial`` alone)."""
+        counts = self._priors.get(self.proposer)
+        return counts is not None and counts.trials[0] > 0.0
+
     def num_trials(self, seq_id: int) -> float:
         counts = self._seqs.get(seq_id)
         return float(counts.trials[0]) if counts is not None else 0.0

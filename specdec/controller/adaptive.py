@@ -27,7 +27,9 @@ Each step (``choose_k``):
    for nothing. Probes fall on multiples of ``probe_every`` so probing sequences share forwards,
    and they spend from a budget (``probe_budget`` of the time run): a probe of many sequences whose
    drafts skipped a prompt's worth of tokens costs several plain steps, and near the break-even
-   point such probes mostly end back at k = 0, so their cost is bounded rather than their number;
+   point such probes mostly end back at k = 0, so their cost is bounded rather than their number.
+   Until the engine has seen any verify, each sequence is weighed for a probe once, off the
+   schedule, as soon as plain first allows (its estimate is only the start-up guess);
 5. a batch that keeps speculating runs one step plain now and then when no live plain step of
    that size was measured lately (calibration's bare forwards do not count: a live step at many
    sequences costs more than a bare forward, and by a share that grows with the batch), so a cost
@@ -99,6 +101,9 @@ class AdaptiveParams:
     measured_gain_lowers_start_bar: bool = True
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
+    # Until any verify was seen, weigh each sequence for a probe at once instead of on the
+    # schedule (``_cold_probe_ready``).
+    cold_probe: bool = True
     probe_k: int = 2
     probe_acceptance: float = 0.9  # a probe must be able to pay off at this acceptance
     # Acceptance probes may cost (predicted seconds beyond what their expected tokens are worth)
@@ -139,6 +144,7 @@ class _SeqState:
     probe_interval: int = 16
     probing: bool = False
     probe_promising: bool = False  # every draft of the last probe was accepted
+    cold_checked: bool = False  # weighed for a probe while the engine had no acceptance data
     last_seen: int = 0
 
 
@@ -311,8 +317,12 @@ class AdaptiveController:
         out = list(chosen)
         probes: list[int] = []
         p = self.params
-        if now % p.probe_every == 0:
-            probes = self._probes(seqs, terms, batch, chosen, prior, out)
+        cold = self._cold_probe_ready(seqs)
+        on_schedule = now % p.probe_every == 0
+        if on_schedule or cold:
+            probes = self._probes(seqs, terms, batch, chosen, prior, out, cold)
+        if on_schedule or probes:
+            pass
         elif now % p.cost_probe_every == p.cost_probe_every // 4:
             self._cost_probe(seqs, terms, batch, out)
         elif now % p.shape_probe_every == p.shape_probe_every // 2:
@@ -471,6 +481,7 @@ class AdaptiveController:
         if margin <= 0:
             return None
         probe_step = now % p.probe_every == 0
+        cold = self._cold_probe_ready(seqs)
         self._check_gains_cache()
         cache, prior, k_max = self._gains, None, self.k_max
         tables, free = [], []  # expected-tokens tables of the sequences free to draft, and they
@@ -482,7 +493,7 @@ class AdaptiveController:
         for seq in seqs:
             seq_id = seq.seq_id
             st = states.get(seq_id)
-            if st is None or st.k != 0 or st.probing:
+            if st is None or st.k != 0 or st.probing or (cold and not st.cold_checked):
                 return None
             st.last_seen = now  # as _update_states sets it (the full computation, if not this)
             raw = seq.num_tokens - seq.num_draft_computed_tokens
@@ -726,8 +737,10 @@ class AdaptiveController:
         chosen: list[int],
         prior: list[float],
         out: list[int],
+        cold: bool,
     ) -> list[int]:
-        """Sequences due for a probe that could pay off, judged together (they share forwards).
+        """Sequences due for a probe that could pay off, judged together (they share forwards):
+        on the schedule, or (``cold``) the first time they are weighed without acceptance data.
         Sets their k in ``out`` and returns their indices."""
         now, p = self._num_decisions, self.params
         due = []
@@ -735,8 +748,11 @@ class AdaptiveController:
             st = self._states.get(seq.seq_id)
             if terms[i].fixed_k is not None or chosen[i] > 0 or terms[i].max_k == 0 or st is None:
                 continue
-            if now - st.zero_since >= st.probe_interval:
+            on_schedule = now % p.probe_every == 0 and now - st.zero_since >= st.probe_interval
+            if on_schedule or (cold and not st.cold_checked):
                 due.append(i)
+            if cold:
+                st.cold_checked = True
         if not due:
             return []
         # Would the due sequences be worth drafting for if their acceptance were high? Ask the
@@ -768,6 +784,23 @@ class AdaptiveController:
         out[:] = probed
         self.num_probes += len(probes)
         return probes
+
+    def _cold_probe_ready(self, seqs: list[Sequence]) -> bool:
+        """Whether sequences not yet weighed cold are due for a probe now, off the schedule.
+
+        Until the first verify the acceptance estimate is the start-up guess alone, and a batch
+        held plain on it would wait ``probe_every`` steps or more for its first probe: the first
+        requests an engine serves would all run plain for that long (a single request on the
+        real pair: 24 plain steps, 4% of its time). So while there is no acceptance data each
+        sequence is weighed for a probe once, as soon as plain first has measured its batch's
+        plain step; after that the schedule applies (a batch too big to ever speculate is not
+        searched for a probe every step).
+        """
+        if not self.params.cold_probe or self.acceptance.has_prior_data():
+            return False
+        return not self.params.plain_first or self._plain_measured(
+            len(seqs), recent=self.cost.window
+        )
 
     def _objective(
         self, terms: list[SeqTerms], extra_tokens: float, extra_seqs: float
