@@ -107,6 +107,10 @@ class TracingController:
                 "drafted": [o.num_drafted for o in decodes],  # verified
                 "predicted_target_s": cost.target_time(obs.num_target_tokens, obs.num_seqs),
                 "predicted_draft_s": cost.draft_time(obs.draft_forwards),
+                # the same step with every decode plain: what speculating was weighed against
+                "predicted_plain_s": cost.target_time(
+                    obs.num_target_tokens - sum(o.num_drafted for o in decodes), obs.num_seqs
+                ),
                 "predicted_step_s": self._predicted_step,
                 "draft_forwards": obs.draft_forwards,
                 "expected_tokens": sum(

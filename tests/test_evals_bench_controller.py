@@ -191,6 +191,11 @@ def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) 
         assert line["committed_tokens"] >= line["decodes"] >= 1
         if line["arm"] == "plain":
             assert line["ks"] == [0] and line["draft_forwards"] == [] and line["draft_s"] == 0
+            assert line["predicted_plain_s"] == line["predicted_target_s"]
+        elif not any(line["drafted"]):
+            assert line["predicted_plain_s"] == line["predicted_target_s"]
+        else:  # the rows left when no decode verifies (not always cheaper: see cost_model)
+            assert line["predicted_plain_s"] > 0
         # One draft forward per drafted position, as the engine reported them.
         assert len(line["draft_forwards"]) == max(line["drafted"])
         if line["draft_forwards"]:

@@ -23,7 +23,7 @@ four-sequence catch-up of 241 rows at 0.37 s; it ran 1.6 s. The knee is chosen f
 for the target; calibration times one catch-up-sized forward so that it is known from the start.
 A step's draft price is the fit times the median measured / fitted ratio of recent live draft
 steps with about as many rows (within a factor of two), where that ratio is off 1 by more than
-``curve_tolerance`` and rests on ``min_measured`` steps within the last ``stale_after``.
+the tolerance below and rests on ``min_measured`` steps within the last ``stale_after``.
 
 Fitting is weighted least squares of *relative* errors (timing noise is multiplicative, and a
 short decode step matters as much as a long prefill step) over a window of recent steps, weights
@@ -45,7 +45,7 @@ returns, so neither one stalled step nor a slow spell of a shared machine (at co
 measured at three times their price while another job ran priced drafts of 3 and 4 out for the
 rest of the run) can price a row count out for good; a point resting on fewer than three steps is
 also left out at once where it is over ``stall_ratio`` times the price the row count had without
-them. Where a point is off the parametric fit by more than ``curve_tolerance``, the model predicts
+them. Where a point is off the parametric fit by more than its tolerance, the model predicts
 from the points: exactly at a measured count, linearly between two, and beyond the largest by the
 parametric fit's increase. A point is shifted by the fit's per-sequence
 slope when asked about another sequence count than it was measured at.
@@ -53,7 +53,12 @@ The parametric fit alone answers only where no step of any size was measured yet
 
 Exact shapes first: a (rows, sequences) shape with ``min_measured`` live steps within the last
 ``stale_after`` observations is priced at the median of those where the curve is off that by more
-than ``curve_tolerance``.
+than its tolerance.
+
+The tolerance is ``curve_tolerance`` for a median of ``min_measured`` steps and shrinks as
+1 / sqrt(steps) (up to ``measured_window`` of them): a median of few steps is noisy and the fit,
+pooling every step, is the better estimate; but the fit's error at one shape is bias, which more
+steps do not average away, so a median of many steps a few percent off it is believed.
 The per-row point mixes shapes (16 rows are 16 plain decodes or 8 sequences verifying one draft
 each; on a two-core CPU the first measured 540 ms and the second 600 ms, and the shift by the
 fit's per-sequence slope priced the plain step at 650 ms), and a decision between exactly those
@@ -419,7 +424,7 @@ class CostModel:
         anchor_weight: float = 2.0,
         refit_every: int = 8,
         knee_every: int = 64,
-        measured_window: int = 9,
+        measured_window: int = 16,
         curve_tolerance: float = 0.1,
         max_measured_sizes: int = 256,
         min_measured: int = 3,
@@ -530,7 +535,7 @@ class CostModel:
                     # the row count had without them: taken for a stall until more steps agree
                     # (a row count priced out by a stall is avoided, so never measured again).
                     continue
-                live[n] = (t, seqs)
+                live[n] = (t, seqs, len(recent))
             if len(memo) > 2 * self.max_measured_sizes:
                 for n in [n for n in memo if n not in self._measured]:
                     del memo[n]
@@ -538,7 +543,7 @@ class CostModel:
             # point within the fit's noise is dropped, so its seconds do not matter): a step
             # that moved no kept point leaves the curve as it was, and it is reused.
             live_points = tuple(
-                sorted(self._curve_point(n, t, seqs) for n, (t, seqs) in live.items())
+                sorted(self._curve_point(n, t, seqs, count) for n, (t, seqs, count) in live.items())
             )  # sorted: the same points whichever row count was measured last
             key = (fit, anchors, live_points)
             old = self._curve_memo
@@ -551,7 +556,7 @@ class CostModel:
                 base = old[1]
             else:
                 points = [
-                    self._curve_point(n, t, seqs)
+                    self._curve_point(n, t, seqs, self.min_measured)
                     for n, (t, seqs) in anchors.items()
                     if n not in live
                 ]
@@ -573,12 +578,25 @@ class CostModel:
         t, s = anchor
         return max(t + self.target.per_seq * (seqs - s), _MIN_TIME)
 
-    def _curve_point(self, n: int, t: float, seqs: float) -> tuple[int, float | None, float]:
-        """(rows, seconds or None, sequences) of a measured point: within ``curve_tolerance`` of
-        the fit, the fit is the better estimate (it pools every step; a point holds a few), so
-        the point keeps its seconds only where the fit is clearly off."""
+    def _curve_point(
+        self, n: int, t: float, seqs: float, count: int
+    ) -> tuple[int, float | None, float]:
+        """(rows, seconds or None, sequences) of a point measured by ``count`` steps (a
+        calibration forward counts as ``min_measured``): within ``_tolerance(count)`` of the
+        fit, the fit is the better estimate (it pools every step; a point holds a few), so the
+        point keeps its seconds only where the fit is clearly off."""
         fit = self.target(n, seqs)
-        return (n, t if abs(t - fit) > self.curve_tolerance * fit else None, seqs)
+        return (n, t if abs(t - fit) > self._tolerance(count) * fit else None, seqs)
+
+    def _tolerance(self, count: int) -> float:
+        """How far a median of ``count`` live steps must be off the fit to be believed over it:
+        ``curve_tolerance`` at ``min_measured`` steps, shrinking as the median's own noise does
+        (1 / sqrt(count)). The fit's error at one row count is not noise but bias (its form is
+        smooth, the kernels are not), and it does not average away: on the real pair at four
+        sequences the fit priced the plain step 7% over the 160 ms that steps of it measured
+        all along, within a flat 10%, and the controller speculated for a gain of 3% it
+        predicted at 19%."""
+        return self.curve_tolerance * math.sqrt(self.min_measured / max(count, self.min_measured))
 
     def _anchor_points(self) -> dict[int, tuple[float, float]]:
         """rows -> (seconds, sequences) of the calibration forwards, plus what a live step adds
@@ -595,8 +613,9 @@ class CostModel:
 
     def _shape_medians(self, curve: TargetCurve) -> dict[tuple[int, int], float]:
         """Median seconds of each (rows, sequences) shape with enough recent live steps, where
-        the curve is off it by more than ``curve_tolerance`` (within that, the curve pools more
-        steps and jitters less: two shapes' medians a few percent apart would flip decisions)."""
+        the curve is off it by more than ``_tolerance`` for their count (within that, the curve
+        pools more steps and jitters less: two shapes' medians of a few steps each, a few percent
+        apart, would flip decisions)."""
         out, memo = {}, self._shape_memo
         oldest_counted = self.num_observations - self.stale_after
         for (n, s), recent in self._measured_shapes.items():
@@ -610,7 +629,7 @@ class CostModel:
                     t = statistics.median(t for t, _ in recent)
                     memo[(n, s)] = (newest, len(recent), t)
                 c = curve(n, s)
-                if abs(t - c) > self.curve_tolerance * c:
+                if abs(t - c) > self._tolerance(len(recent)) * c:
                     out[(n, s)] = t
         if len(memo) > 2 * self.max_measured_sizes:
             for shape in [k for k in memo if k not in self._measured_shapes]:
@@ -630,7 +649,7 @@ class CostModel:
     def draft_factor(self, rows: float) -> float:
         """What a draft step of ``rows`` rows in all costs over the linear fit: the median of
         measured / fitted seconds of recent live draft steps with about as many rows (the same
-        power of two), where that is off 1 by more than ``curve_tolerance``; else 1.
+        power of two), where that is off 1 by more than ``_tolerance`` for their count; else 1.
 
         One line through every draft step is dominated by the many small ones and misprices
         the rest: on a two-core CPU, 16 sequences' two draft forwards (about 46 rows) ran 25%
@@ -669,7 +688,7 @@ class CostModel:
                         for s, _ in recent
                     )
                     self._ratio_memo[bucket] = (key, ratio)
-                if abs(ratio - 1.0) > self.curve_tolerance:
+                if abs(ratio - 1.0) > self._tolerance(len(recent)):
                     factor = ratio
             self._draft_factors[bucket] = factor
         return factor
