@@ -867,6 +867,78 @@ def test_after_a_slow_spell_the_controller_returns_to_the_draft_length_that_pays
     assert ctrl.cost.stale_after == 64 < 15 + 100
 
 
+def test_fresh_steps_alone_price_a_shape_once_there_are_enough_of_them() -> None:
+    """Three steps of a shape in a slow spell, then three at the true price 80 observations
+    later: the fresh three price it (the target point, the exact shape and the draft factor
+    alike). Before there are three fresh ones, every step of the last ``stale_after`` counts."""
+    fit = TargetCost(base=0.3, per_seq=0.0, slope_low=0.01, knee=64, slope_high=0.01)
+    draft = DraftCost(per_forward=0.02, per_row=0.0, per_seq=0.0)
+    model = CostModel(fit, draft, refresh_after=64)
+    true_draft = draft.per_forward * 4
+    forwards = [(1, 1)] * 4
+
+    def run_shape(slowdown: float) -> None:
+        model.observe_draft(forwards, true_draft * slowdown)
+        model.observe_target(16, 16, fit(16, 16) * slowdown)
+
+    for _ in range(3):
+        run_shape(1.4)
+    for i in range(80):
+        model.observe_target(8 + i % 2, 8 + i % 2, fit(8 + i % 2, 8 + i % 2))
+    run_shape(1.0)
+    run_shape(1.0)
+    assert model.target_time(16, 16) > 1.1 * fit(16, 16)  # the spell's steps still outvote
+    run_shape(1.0)
+    assert model.target_time(16, 16) == pytest.approx(fit(16, 16), rel=0.02)
+    assert model.draft_time(forwards) == pytest.approx(true_draft, rel=0.02)
+
+
+@pytest.mark.parametrize("refresh_after", [64, 256])
+def test_a_near_best_draft_length_priced_in_a_slow_spell_is_measured_afresh(
+    refresh_after: int,
+) -> None:
+    """As on the real pair at code c=2: four-draft steps ran while the machine was slow (draft
+    forwards 215 ms, the fixed arm later 160), were priced out by a few percent, and the
+    controller drafted 3 and 2 for the next two rounds. Such a shape is still within reach of
+    the decision, so shape probes re-measure it once its steps are ``refresh_after`` old, and
+    the fresh steps alone price it: k = 4 returns long before the spell's steps go stale.
+    With nothing counted fresh before ``stale_after`` (256 here too) it stays away."""
+    target = TargetCost(base=0.1, per_seq=0.0, slope_low=0.004, knee=64, slope_high=0.004)
+    draft = DraftCost(per_forward=0.02, per_row=0.0, per_seq=0.0)
+    ctrl = AdaptiveController(
+        4,
+        cost=CostModel(target, draft, refresh_after=refresh_after),
+        acceptance=AcceptanceTracker(4, initial=0.9),
+    )
+    ctrl.cost.seed([TargetSample(r, 1, target(r, 1)) for r in range(1, 6)], [])
+    rng = random.Random(0)
+    seqs = make_seqs(1)
+
+    def step(ks: list[int], slowdown: float) -> None:
+        forwards = draft_forwards(seqs, ks)
+        outcomes = [verify_step(seqs[0], ks[0], 0.9, rng)]
+        rows = 1 + ks[0]
+        t_target = target(rows, 1) * slowdown * (1 + 0.02 * rng.gauss(0, 1))
+        t_draft = sum(draft(r, n) for r, n in forwards) * slowdown * (1 + 0.02 * rng.gauss(0, 1))
+        ctrl.observe(
+            StepObservation(t_target + t_draft, t_draft, t_target, rows, 1, forwards, outcomes)
+        )
+
+    for k, slowdown in [(4, 1.3)] * 5 + [(3, 1.0)] * 5:
+        ctrl.choose_k(seqs)  # the decision, overruled by the history being replayed
+        step([k], slowdown)
+    chosen = []
+    for _ in range(200):
+        ks = ctrl.choose_k(seqs)
+        chosen.append(ks[0])
+        step(ks, 1.0)
+    assert chosen[:40].count(4) <= 4  # the spell's price stands while its steps are fresh
+    if refresh_after == 64:
+        assert chosen[-60:].count(4) >= 50  # re-measured, and chosen again
+    else:
+        assert chosen[-60:].count(4) <= 10
+
+
 def test_measured_row_counts_are_bounded_least_recent_forgotten() -> None:
     """A long-running server sees thousands of prefill sizes: the curve keeps the newest few."""
     model = CostModel(max_measured_sizes=4)
@@ -964,6 +1036,30 @@ def test_plain_first_runs_once_per_start_not_while_speculating() -> None:
     plain_steps = [i for i, ks in enumerate(hist) if not any(ks)]
     assert plain_steps == list(range(ctrl.cost.min_measured))
     assert ctrl.num_cost_probes == ctrl.cost.min_measured
+
+
+@pytest.mark.parametrize("refresh_after", [64, 256])
+def test_a_speculating_batch_measures_its_plain_step_afresh(refresh_after: int) -> None:
+    """Speculating here is predicted some 15-25% faster than plain: within reach of a plain
+    price that is off, as one from a slower or faster spell of the machine is. So a few live
+    plain steps are run again once the last ones are ``refresh_after`` observations old (the
+    cost model then prices plain from those alone), not only once they are ``stale_after``."""
+    target = flat_target(0.010)
+    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
+    ctrl = AdaptiveController(
+        K_MAX,
+        cost=CostModel(target, draft, refresh_after=refresh_after),
+        acceptance=AcceptanceTracker(K_MAX, initial=0.6),
+        params=AdaptiveParams(plain_first=False),
+    )
+    hist = simulate(ctrl, make_seqs(2), lambda s, t: 0.6, target, draft, 400, random.Random(3))
+    plain = [i for i, ks in enumerate(hist) if not any(ks)]
+    assert len(plain) == ctrl.num_cost_probes  # every plain step is a cost probe
+    gaps = [b - a for a, b in zip(plain, plain[1:], strict=False) if b - a > 8]
+    if refresh_after == 64:
+        assert 12 <= len(plain) <= 20 and max(gaps) <= 80
+    else:
+        assert len(plain) <= 6
 
 
 def test_a_far_better_speculating_batch_is_not_cost_probed_again() -> None:

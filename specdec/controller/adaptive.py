@@ -873,12 +873,16 @@ class AdaptiveController:
         A batch that always speculates never measures its plain step time, so a cost curve that
         flatters verification would never be corrected by the steps it chooses. (The other side
         needs no such step: calibration and prefill chunks supply steps with many rows, and a
-        forced draft after a long k = 0 spell would pay the draft's whole catch-up.) ``out`` is
-        updated in place.
+        forced draft after a long k = 0 spell would pay the draft's whole catch-up.) "Lately" is
+        the cost model's ``refresh_after``: the machine's speed drifts, and a plain price from
+        a faster or slower spell than the speculating steps it is weighed against tips the
+        decision (open prompts at four sequences: plain priced at 167 ms from the round before,
+        running at 130, and speculation started for a gain predicted at 18% that lost 13% to
+        plain). ``out`` is updated in place.
         """
         plain = self._auto_plain(terms, out)
         n_plain = len(seqs) + batch.extra_tokens
-        if plain == out or self._plain_measured(n_plain):
+        if plain == out or self._plain_measured(n_plain, recent=self.cost.refresh_after):
             return
         if self._plain_measured(n_plain, recent=self.cost.window):
             v_out, v_plain = batch.assign(out), batch.assign(plain)
@@ -900,7 +904,9 @@ class AdaptiveController:
         fitted mostly on four-token steps, 244 ms live. The decision then avoids a k that is as
         good or better, for good. Only sequences already drafting move (no catch-up to pay), only
         to a near-best shape, and a shape stops being a candidate once both sides have
-        ``min_measured`` recent live steps, so the cost is bounded.
+        ``min_measured`` live steps within the cost model's ``refresh_after`` observations, so the
+        cost is bounded (and a price measured during a slow spell is re-measured: the cost model
+        then counts the fresh steps alone).
         """
         auto = [i for i, t in enumerate(terms) if t.fixed_k is None and out[i] > 0]
         if not auto:
@@ -916,10 +922,10 @@ class AdaptiveController:
                 continue
             rows = round(n_fixed + sum(trial[i] for i in auto))
             v = batch.assign(trial)
-            need = self.cost.min_measured
+            need, fresh = self.cost.min_measured, self.cost.refresh_after
             if (
-                self.cost.num_live_at(rows) >= need
-                and self.cost.num_live_draft_at(batch.draft_rows()) >= need
+                self.cost.num_live_at(rows, recent=fresh) >= need
+                and self.cost.num_live_draft_at(batch.draft_rows(), recent=fresh) >= need
             ):
                 continue
             if v >= v_out * (1.0 - self.params.shape_probe_tolerance) and (

@@ -43,9 +43,13 @@ step, the calibration forward plus the fitted live-vs-bare offset). Only steps o
 ``stale_after`` observations count: a point with none that recent expires and the earlier estimate
 returns, so neither one stalled step nor a slow spell of a shared machine (at code c=1, five steps
 measured at three times their price while another job ran priced drafts of 3 and 4 out for the
-rest of the run) can price a row count out for good; a point resting on fewer than three steps is
-also left out at once where it is over ``stall_ratio`` times the price the row count had without
-them. Where a point is off the parametric fit by more than its tolerance, the model predicts
+rest of the run) can price a row count out for good; and where ``min_measured`` of its steps are
+from the last ``refresh_after`` observations only those count, so a shape measured during a slow
+spell and then avoided is priced afresh once the controller's shape probes re-measure it (at code
+c=2, four-draft steps measured at 215 ms of draft while the machine was slow were priced there
+for two rounds in which the fixed arm ran them at 160). A point resting on fewer than three steps
+is also left out at once where it is over ``stall_ratio`` times the price the row count had
+without them. Where a point is off the parametric fit by more than its tolerance, the model predicts
 from the points: exactly at a measured count, linearly between two, and beyond the largest by the
 parametric fit's increase. A point is shifted by the fit's per-sequence
 slope when asked about another sequence count than it was measured at.
@@ -80,12 +84,25 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 
-def _counted(steps: Sequence[tuple], at: int, oldest: int) -> Sequence[tuple]:
-    """The steps (oldest first, observation number at index ``at``) measured at or after
-    observation ``oldest``: only the last ``stale_after`` observations' steps count, since older
-    ones speak for the machine as it was. Returned as is when all of them count (the usual
-    case: no copy)."""
-    if not steps or steps[0][at] >= oldest:
+def _counted(
+    steps: Sequence[tuple], at: int, now: int, stale_after: int, fresh_after: int, enough: int
+) -> Sequence[tuple]:
+    """The steps (oldest first, observation number at index ``at``) that count at observation
+    ``now``: those of the last ``fresh_after`` observations where there are ``enough`` of them,
+    else those of the last ``stale_after``. Older steps speak for the machine as it was: a shape
+    measured during a slow spell and then avoided for its price is re-measured by a shape probe,
+    and once enough fresh steps agree the spell's steps no longer outvote them in the median.
+    Returned as is when all of them count (the usual case: no copy)."""
+    if not steps:
+        return steps
+    fresh = now - min(fresh_after, stale_after)
+    num_fresh = 0
+    for step in reversed(steps):
+        if step[at] < fresh:
+            break
+        num_fresh += 1
+    oldest = fresh if num_fresh >= enough else now - stale_after
+    if steps[0][at] >= oldest:
         return steps
     return [s for s in steps if s[at] >= oldest]
 
@@ -429,6 +446,7 @@ class CostModel:
         max_measured_sizes: int = 256,
         min_measured: int = 3,
         stale_after: int = 256,
+        refresh_after: int = 64,
         stall_ratio: float = 2.0,
     ) -> None:
         self.defer_refits = False
@@ -454,6 +472,7 @@ class CostModel:
         self.max_measured_sizes = max_measured_sizes
         self.min_measured = min_measured
         self.stale_after = stale_after
+        self.refresh_after = refresh_after
         self.stall_ratio = stall_ratio
         # row count -> newest live steps with that many rows: (seconds, sequences, observation
         # number); dict order is least recently measured first, at most ``max_measured_sizes``
@@ -509,7 +528,8 @@ class CostModel:
             anchors = self._anchor_points()  # rows -> (seconds, sequences); same dict until changed
             live: dict[int, tuple[float, float]] = {}
             memo, per_seq = self._point_memo, fit.per_seq
-            oldest_counted = self.num_observations - self.stale_after
+            now = self.num_observations
+            oldest_counted = now - self.stale_after
             for n, recent in self._measured.items():
                 newest = recent[-1][2]
                 if newest < oldest_counted:
@@ -518,7 +538,7 @@ class CostModel:
                     # row count out, and a row count priced out is avoided, so never measured
                     # again, so never corrected. The point expires; the earlier estimate returns.
                     continue
-                recent = _counted(recent, 2, oldest_counted)
+                recent = self._counted(recent, 2, now)
                 hit = memo.get(n)
                 if hit is not None and hit[:3] == (newest, len(recent), per_seq):
                     t, seqs = hit[3]
@@ -588,6 +608,9 @@ class CostModel:
         fit = self.target(n, seqs)
         return (n, t if abs(t - fit) > self._tolerance(count) * fit else None, seqs)
 
+    def _counted(self, steps: Sequence[tuple], at: int, now: int) -> Sequence[tuple]:
+        return _counted(steps, at, now, self.stale_after, self.refresh_after, self.min_measured)
+
     def _tolerance(self, count: int) -> float:
         """How far a median of ``count`` live steps must be off the fit to be believed over it:
         ``curve_tolerance`` at ``min_measured`` steps, shrinking as the median's own noise does
@@ -617,10 +640,9 @@ class CostModel:
         pools more steps and jitters less: two shapes' medians of a few steps each, a few percent
         apart, would flip decisions)."""
         out, memo = {}, self._shape_memo
-        oldest_counted = self.num_observations - self.stale_after
         for (n, s), recent in self._measured_shapes.items():
             newest = recent[-1][1]
-            recent = _counted(recent, 1, oldest_counted)
+            recent = self._counted(recent, 1, self.num_observations)
             if len(recent) >= self.min_measured:
                 hit = memo.get((n, s))
                 if hit is not None and hit[:2] == (newest, len(recent)):
@@ -666,8 +688,7 @@ class CostModel:
             factor = 1.0
             recent = self._draft_measured.get(bucket, ())
             self.pin_draft_factors()
-            oldest_counted = self._factors_as_of - self.stale_after
-            recent = _counted(recent, 1, oldest_counted)
+            recent = self._counted(recent, 1, self._factors_as_of)
             if len(recent) >= self.min_measured:
                 # The same samples under the same fit give the same median: keep it per bucket
                 # until either changes (the newest sample object and the count stand for the
