@@ -827,17 +827,16 @@ def test_neither_a_stall_nor_a_slow_spell_prices_a_row_count_out_for_good() -> N
     assert model.target_time(16, 16) == pytest.approx(before, rel=0.05)
 
 
-def test_after_a_slow_spell_the_controller_returns_to_the_draft_length_that_pays() -> None:
-    """One sequence, acceptance 0.9, drafts cheap: k = 4 pays best. Steps of 3 and 4 drafts ran
-    during a slow spell (another job on the machine) at three times their price, those of 2
-    drafts after it: as on the real pair at code c=1, the controller settles at k = 2, and the
-    spell's prices would stand for good, since shapes priced out are never run again. Once the
-    spell's steps are ``stale_after`` old they no longer count, and k = 4 comes back."""
-    target = TargetCost(base=0.1, per_seq=0.0, slope_low=0.001, knee=64, slope_high=0.001)
+def replay_a_slow_spell(
+    target: TargetCost, spell: list[tuple[int, float]], **cost_params: int
+) -> list[int]:
+    """One sequence at acceptance 0.9 with cheap drafts (k = 4 pays best): replay ``spell``, the
+    (k, slowdown) of its first steps whatever the controller decides, then let it decide for
+    200 steps at the true cost; returns those 200 decisions."""
     draft = DraftCost(per_forward=0.02, per_row=0.0, per_seq=0.0)
     ctrl = AdaptiveController(
         4,
-        cost=CostModel(target, draft, stale_after=64),
+        cost=CostModel(target, draft, **cost_params),
         acceptance=AcceptanceTracker(4, initial=0.9),
     )
     ctrl.cost.seed([TargetSample(r, 1, target(r, 1)) for r in range(1, 6)], [])
@@ -854,7 +853,7 @@ def test_after_a_slow_spell_the_controller_returns_to_the_draft_length_that_pays
             StepObservation(t_target + t_draft, t_draft, t_target, rows, 1, forwards, outcomes)
         )
 
-    for k, slowdown in [(4, 3.0)] * 5 + [(3, 3.0)] * 5 + [(2, 1.0)] * 5:
+    for k, slowdown in spell:
         ctrl.choose_k(seqs)  # the decision, overruled by the history being replayed
         step([k], slowdown)
     chosen = []
@@ -862,9 +861,20 @@ def test_after_a_slow_spell_the_controller_returns_to_the_draft_length_that_pays
         ks = ctrl.choose_k(seqs)
         chosen.append(ks[0])
         step(ks, 1.0)
+    return chosen
+
+
+def test_after_a_slow_spell_the_controller_returns_to_the_draft_length_that_pays() -> None:
+    """One sequence, acceptance 0.9, drafts cheap: k = 4 pays best. Steps of 3 and 4 drafts ran
+    during a slow spell (another job on the machine) at three times their price, those of 2
+    drafts after it: as on the real pair at code c=1, the controller settles at k = 2, and the
+    spell's prices would stand for good, since shapes priced out are never run again. Once the
+    spell's steps are ``stale_after`` old they no longer count, and k = 4 comes back."""
+    target = TargetCost(base=0.1, per_seq=0.0, slope_low=0.001, knee=64, slope_high=0.001)
+    spell = [(4, 3.0)] * 5 + [(3, 3.0)] * 5 + [(2, 1.0)] * 5
+    chosen = replay_a_slow_spell(target, spell, stale_after=64)
     assert chosen[:40].count(4) <= 4  # the spell's prices stand while its steps are recent
-    assert chosen[-100:].count(4) >= 90  # and then no longer
-    assert ctrl.cost.stale_after == 64 < 15 + 100
+    assert chosen[-100:].count(4) >= 90  # and then (15 + 100 > 64 observations on) no longer
 
 
 def test_fresh_steps_alone_price_a_shape_once_there_are_enough_of_them() -> None:
@@ -904,34 +914,8 @@ def test_a_near_best_draft_length_priced_in_a_slow_spell_is_measured_afresh(
     the fresh steps alone price it: k = 4 returns long before the spell's steps go stale.
     With nothing counted fresh before ``stale_after`` (256 here too) it stays away."""
     target = TargetCost(base=0.1, per_seq=0.0, slope_low=0.004, knee=64, slope_high=0.004)
-    draft = DraftCost(per_forward=0.02, per_row=0.0, per_seq=0.0)
-    ctrl = AdaptiveController(
-        4,
-        cost=CostModel(target, draft, refresh_after=refresh_after),
-        acceptance=AcceptanceTracker(4, initial=0.9),
-    )
-    ctrl.cost.seed([TargetSample(r, 1, target(r, 1)) for r in range(1, 6)], [])
-    rng = random.Random(0)
-    seqs = make_seqs(1)
-
-    def step(ks: list[int], slowdown: float) -> None:
-        forwards = draft_forwards(seqs, ks)
-        outcomes = [verify_step(seqs[0], ks[0], 0.9, rng)]
-        rows = 1 + ks[0]
-        t_target = target(rows, 1) * slowdown * (1 + 0.02 * rng.gauss(0, 1))
-        t_draft = sum(draft(r, n) for r, n in forwards) * slowdown * (1 + 0.02 * rng.gauss(0, 1))
-        ctrl.observe(
-            StepObservation(t_target + t_draft, t_draft, t_target, rows, 1, forwards, outcomes)
-        )
-
-    for k, slowdown in [(4, 1.3)] * 5 + [(3, 1.0)] * 5:
-        ctrl.choose_k(seqs)  # the decision, overruled by the history being replayed
-        step([k], slowdown)
-    chosen = []
-    for _ in range(200):
-        ks = ctrl.choose_k(seqs)
-        chosen.append(ks[0])
-        step(ks, 1.0)
+    spell = [(4, 1.3)] * 5 + [(3, 1.0)] * 5
+    chosen = replay_a_slow_spell(target, spell, refresh_after=refresh_after)
     assert chosen[:40].count(4) <= 4  # the spell's price stands while its steps are fresh
     if refresh_after == 64:
         assert chosen[-60:].count(4) >= 50  # re-measured, and chosen again
