@@ -47,7 +47,9 @@ rest of the run) can price a row count out for good; and where ``min_measured`` 
 from the last ``refresh_after`` observations only those count, so a shape measured during a slow
 spell and then avoided is priced afresh once the controller's shape probes re-measure it (at code
 c=2, four-draft steps measured at 215 ms of draft while the machine was slow were priced there
-for two rounds in which the fixed arm ran them at 160). A point resting on fewer than three steps
+for two rounds in which the fixed arm ran them at 160); a fresh step well under its point's or
+shape's older steps counts alone at once, since other work on a machine only ever adds time. A
+point resting on fewer than three steps
 is also left out at once where it is over ``stall_ratio`` times the price the row count had
 without them. Where a point is off the parametric fit by more than its tolerance, the model predicts
 from the points: exactly at a measured count, linearly between two, and beyond the largest by the
@@ -85,13 +87,26 @@ import numpy as np
 
 
 def _counted(
-    steps: Sequence[tuple], at: int, now: int, stale_after: int, fresh_after: int, enough: int
+    steps: Sequence[tuple],
+    at: int,
+    now: int,
+    stale_after: int,
+    fresh_after: int,
+    enough: int,
+    faster_by: float | None = None,
 ) -> Sequence[tuple]:
     """The steps (oldest first, observation number at index ``at``) that count at observation
     ``now``: those of the last ``fresh_after`` observations where there are ``enough`` of them,
     else those of the last ``stale_after``. Older steps speak for the machine as it was: a shape
     measured during a slow spell and then avoided for its price is re-measured by a shape probe,
     and once enough fresh steps agree the spell's steps no longer outvote them in the median.
+
+    With ``faster_by`` (steps holding their seconds at index 0), fewer fresh steps than
+    ``enough`` count alone too where every one of them ran more than that share faster than the
+    median of the older ones: other work on a shared machine only ever adds time, so a step
+    well under its old price says the old steps were slowed, not that it was lucky (open
+    prompts at four sequences: plain priced at 184 ms from a slow round, one cost probe ran at
+    138, and speculation went on for the rest of the round on the old price).
     Returned as is when all of them count (the usual case: no copy)."""
     if not steps:
         return steps
@@ -102,6 +117,12 @@ def _counted(
             break
         num_fresh += 1
     oldest = fresh if num_fresh >= enough else now - stale_after
+    if faster_by is not None and 0 < num_fresh < enough and num_fresh < len(steps):
+        steps = list(steps)
+        older = [s[0] for s in steps[:-num_fresh] if s[at] >= oldest]
+        newest_slowest = max(s[0] for s in steps[-num_fresh:])
+        if older and newest_slowest < (1.0 - faster_by) * statistics.median(older):
+            oldest = fresh
     if steps[0][at] >= oldest:
         return steps
     return [s for s in steps if s[at] >= oldest]
@@ -538,7 +559,7 @@ class CostModel:
                     # row count out, and a row count priced out is avoided, so never measured
                     # again, so never corrected. The point expires; the earlier estimate returns.
                     continue
-                recent = self._counted(recent, 2, now)
+                recent = self._counted(recent, 2, now, timed=True)
                 hit = memo.get(n)
                 if hit is not None and hit[:3] == (newest, len(recent), per_seq):
                     t, seqs = hit[3]
@@ -608,8 +629,15 @@ class CostModel:
         fit = self.target(n, seqs)
         return (n, t if abs(t - fit) > self._tolerance(count) * fit else None, seqs)
 
-    def _counted(self, steps: Sequence[tuple], at: int, now: int) -> Sequence[tuple]:
-        return _counted(steps, at, now, self.stale_after, self.refresh_after, self.min_measured)
+    def _counted(
+        self, steps: Sequence[tuple], at: int, now: int, timed: bool = False
+    ) -> Sequence[tuple]:
+        """``_counted`` under this model's windows; ``timed``: the steps hold seconds at index 0,
+        and fresh ones well under the older ones' median count alone (by ``curve_tolerance``)."""
+        faster_by = self.curve_tolerance if timed else None
+        return _counted(
+            steps, at, now, self.stale_after, self.refresh_after, self.min_measured, faster_by
+        )
 
     def _tolerance(self, count: int) -> float:
         """How far a median of ``count`` live steps must be off the fit to be believed over it:
@@ -642,7 +670,7 @@ class CostModel:
         out, memo = {}, self._shape_memo
         for (n, s), recent in self._measured_shapes.items():
             newest = recent[-1][1]
-            recent = self._counted(recent, 1, self.num_observations)
+            recent = self._counted(recent, 1, self.num_observations, timed=True)
             if len(recent) >= self.min_measured:
                 hit = memo.get((n, s))
                 if hit is not None and hit[:2] == (newest, len(recent)):
