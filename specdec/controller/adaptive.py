@@ -321,12 +321,11 @@ class AdaptiveController:
         on_schedule = now % p.probe_every == 0
         if on_schedule or cold:
             probes = self._probes(seqs, terms, batch, chosen, prior, out, cold)
-        if on_schedule or probes:
-            pass
-        elif now % p.cost_probe_every == p.cost_probe_every // 4:
-            self._cost_probe(seqs, terms, batch, out)
-        elif now % p.shape_probe_every == p.shape_probe_every // 2:
-            self._shape_probe(terms, batch, out)
+        if not (on_schedule or probes):  # one kind of probe a step
+            if now % p.cost_probe_every == p.cost_probe_every // 4:
+                self._cost_probe(seqs, terms, batch, out)
+            elif now % p.shape_probe_every == p.shape_probe_every // 2:
+                self._shape_probe(terms, batch, out)
         batch.assign(out)  # the predicted step below is the one that will run
         batch.resum()  # priced the same however the search reached it
         self._update_states(seqs, chosen, set(probes))

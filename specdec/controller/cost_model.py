@@ -49,10 +49,9 @@ spell and then avoided is priced afresh once the controller's shape probes re-me
 c=2, four-draft steps measured at 215 ms of draft while the machine was slow were priced there
 for two rounds in which the fixed arm ran them at 160); a fresh step well under its point's or
 shape's older steps counts alone at once, since other work on a machine only ever adds time. A
-point resting on fewer than three steps
-is also left out at once where it is over ``stall_ratio`` times the price the row count had
-without them. Where a point is off the parametric fit by more than its tolerance, the model predicts
-from the points: exactly at a measured count, linearly between two, and beyond the largest by the
+point resting on fewer than three steps is also left out at once where it is over ``stall_ratio``
+times the price the row count had without them. Where a point is off the parametric fit by more
+than its tolerance, the model predicts from the points: exactly at a measured count, linearly between two, and beyond the largest by the
 parametric fit's increase. A point is shifted by the fit's per-sequence
 slope when asked about another sequence count than it was measured at.
 The parametric fit alone answers only where no step of any size was measured yet.
