@@ -202,6 +202,81 @@ def test_a_batch_size_that_measured_speculation_paying_starts_at_the_keep_bar() 
     assert new_request_after(accepted=1, mode="on") == [0]
 
 
+def test_a_speculating_batch_whose_size_measured_a_loss_must_clear_the_start_bar() -> None:
+    """A speculating batch goes on while k = 1 is predicted 5% faster than plain (inside the
+    band between the 2% keep bar and the 8% start bar). Where its batch size ran speculating
+    decode steps lately that measured fewer tokens/s than its plain steps (no draft accepted:
+    -23%), the gain predicted inside the band was measured to be a loss: it must clear the start
+    bar, and the batch goes plain. Steps that measured a gain (all accepted), or the switch off,
+    keep it speculating."""
+    target = flat_target(0.010)
+    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
+    never = 10**9
+
+    def decision_after(accepted: int, **params: object) -> list[int]:
+        ctrl = controller(
+            0.365,
+            target,
+            draft,
+            probe_every=never,
+            cost_probe_every=never,
+            shape_probe_every=never,
+            cold_probe=False,
+            **params,
+        )
+        seqs = make_seqs(1)
+        for drafted in (0, 1):  # 8 plain steps, then 8 speculating ones, priced as the model says
+            for _ in range(8):
+                if drafted:  # it speculates, whatever the last verify held
+                    ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.9)
+                assert (ctrl.choose_k(seqs)[0] > 0) == bool(drafted)
+                outcome = SeqOutcome(seqs[0], drafted, accepted if drafted else 0)
+                t_draft = 0.003 * drafted
+                forwards = [(1, 1)] if drafted else []
+                ctrl.observe(
+                    StepObservation(
+                        0.010 + t_draft, t_draft, 0.010, 1 + drafted, 1, forwards, [outcome]
+                    )
+                )
+        ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.365)  # k = 1 predicted 5% faster
+        return ctrl.choose_k(seqs)
+
+    assert decision_after(accepted=1) == [1]
+    assert decision_after(accepted=0) == [0]
+    assert decision_after(accepted=0, measured_loss_raises_keep_bar=False) == [1]
+
+
+def test_a_probes_step_is_not_taken_for_what_speculation_pays() -> None:
+    """A probe drafts for one sequence one step, to learn its acceptance: its tokens/s say
+    nothing of what speculating the batch pays, so it is not measured as a speculating step
+    (else a batch probed now and then would read its probes, mostly losses, as speculation
+    losing, or lucky ones as it paying)."""
+    target = flat_target(0.010)
+    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
+    ctrl = controller(
+        0.365,
+        target,
+        draft,
+        probe_every=1,
+        probe_max_interval=2,
+        probe_budget=1.0,
+        cost_probe_every=10**9,
+    )
+    seqs = make_seqs(1)
+    probes = 0
+    for _ in range(40):
+        drafted = ctrl.choose_k(seqs)[0]
+        probes += drafted > 0
+        t_draft = 0.003 * (drafted > 0)
+        outcome = SeqOutcome(seqs[0], drafted, 0)
+        forwards = [(1, 1)] * drafted
+        ctrl.observe(
+            StepObservation(0.010 + t_draft, t_draft, 0.010, 1 + drafted, 1, forwards, [outcome])
+        )
+    assert probes >= ctrl.realized.min_steps  # enough probes to give a verdict, were they counted
+    assert ctrl.realized.gain(1, ctrl._num_observed) is None
+
+
 def test_realized_goodput_needs_enough_recent_steps_of_that_very_size() -> None:
     realized = RealizedGoodput(window=32, max_age=100, min_steps=8)
     for t in range(7):

@@ -17,8 +17,9 @@ Each step (``choose_k``):
    band: only a decode-only step's decision does; and the band belongs to the batch that drafted
    (some of its sequences drafted at that decision), so a new wave of requests starts afresh.
    A batch whose size measured speculating decode steps at ``plain_margin`` more tokens/s than
-   plain ones lately (``RealizedGoodput``) starts at the keep bar: the gain was seen, not just
-   predicted;
+   plain ones lately (``RealizedGoodput``, probes' steps left out) starts at the keep bar: the
+   gain was seen, not just predicted; and a speculating batch whose size measured them at fewer
+   tokens/s than plain ones goes on only past the start bar: the gain was predicted and not seen;
 4. a sequence held at k = 0 has no new acceptance data, so now and then (after ``probe_every``
    steps, doubling after each poor probe, back to ``probe_every`` after a promising one) it
    drafts ``probe_k`` tokens for one step - but only when speculation could pay for it at a high
@@ -99,6 +100,10 @@ class AdaptiveParams:
     # more tokens/s than its recent plain ones (``RealizedGoodput``) starts at the keep bar:
     # the gain the start bar guards against over-predicting was measured.
     measured_gain_lowers_start_bar: bool = True
+    # ... and a speculating batch whose size measured its speculating decode steps at fewer
+    # tokens/s than its plain ones lately must go on clearing the start bar, not the keep bar:
+    # a gain predicted inside the band was measured to be a loss.
+    measured_loss_raises_keep_bar: bool = True
     probe_every: int = 16  # steps at k = 0 before the first probe; probes align to multiples
     probe_max_interval: int = 256
     # Until any verify was seen, weigh each sequence for a probe at once instead of on the
@@ -422,11 +427,16 @@ class AdaptiveController:
 
     def _bar(self, num_decodes: int) -> float:
         """The gain over all-plain speculation must be predicted to have: ``plain_keep_margin``
-        for a batch speculating already, or one whose size measured speculation paying lately
-        (``measured_gain_lowers_start_bar``); else ``plain_margin``."""
+        for a batch speculating already, unless its size measured speculation losing lately
+        (``measured_loss_raises_keep_bar``), and for one whose size measured speculation paying
+        lately (``measured_gain_lowers_start_bar``); else ``plain_margin``."""
         p = self.params
         keep = min(p.plain_margin, p.plain_keep_margin)
         if self._speculating:
+            if p.measured_loss_raises_keep_bar:
+                gain = self.realized.gain(num_decodes, self._num_observed)
+                if gain is not None and gain < 0.0:
+                    return p.plain_margin
             return keep
         if p.measured_gain_lowers_start_bar:
             gain = self.realized.gain(num_decodes, self._num_observed)
@@ -1040,6 +1050,15 @@ class AdaptiveController:
         self.cost.defer_refits = True
         self.cost.refit_if_due()
 
+    def _probed_last_step(self, outcomes: list[SeqOutcome]) -> bool:
+        """Whether a sequence drafted in this step because the last decision probed it."""
+        for o in outcomes:
+            if o.num_drafted > 0:
+                st = self._states.get(o.seq.seq_id)
+                if st is not None and st.probing:
+                    return True
+        return False
+
     def observe(self, obs: StepObservation) -> None:
         self._num_observed += 1
         for o in obs.outcomes:
@@ -1059,8 +1078,14 @@ class AdaptiveController:
         decodes, prefill_rows = self._observe_prefill(obs)
         decode_only = decodes and prefill_rows == 0 and len(decodes) == obs.num_seqs
         # Only 'auto' batches: an A/B arm's or an eval's steps say nothing of what the
-        # controller's own speculation pays.
-        if decode_only and all(o.seq.spec_mode == "auto" for o in decodes):
+        # controller's own speculation pays. Nor does a probe's step: one sequence drafting
+        # once (its draft often catching up on a prompt) beside plain ones measures acceptance,
+        # not what speculating the batch pays.
+        if (
+            decode_only
+            and all(o.seq.spec_mode == "auto" for o in decodes)
+            and not self._probed_last_step(decodes)
+        ):
             self.realized.observe(
                 len(decodes),
                 any(o.num_drafted > 0 for o in decodes),
