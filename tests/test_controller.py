@@ -1167,6 +1167,39 @@ def test_a_far_better_speculating_batch_is_not_cost_probed_again() -> None:
     assert cost_probes(float("inf")) >= 2 * CostModel().min_measured
 
 
+def test_a_slow_spells_plain_price_is_measured_again_however_far_ahead_speculation_looks() -> None:
+    """Two sequences whose k = 1 drafts lose 6% to plain at the true prices (a 10 ms target
+    step, 6 ms a draft forward, half the drafts accepted). Their last plain steps ran in a slow
+    spell, at 18 ms: priced so, speculation looks 69% faster, far past the 30% beyond which a
+    speculating batch is not cost-probed again. But plain steps of that shape have run at 10 ms,
+    and at that price speculation loses: so the plain step is measured again once those slow
+    steps are ``refresh_after`` old, and the batch goes plain (priced at the slow spell alone,
+    it would speculate on until they were ``window`` old)."""
+    target = flat_target(0.010)
+    draft = DraftCost(per_forward=0.006, per_row=0.0, per_seq=0.0)
+    rng = random.Random(4)
+
+    def decisions() -> list[list[int]]:
+        # The measured loss would end it too: this test is about the cost probe alone.
+        ctrl = AdaptiveController(
+            K_MAX,
+            cost=CostModel(target, draft),
+            acceptance=AcceptanceTracker(K_MAX, initial=0.5),
+            params=AdaptiveParams(plain_first=False, measured_loss_raises_keep_bar=False),
+        )
+        seqs = make_seqs(2)
+        for slowdown in [1.0] * 3 + [1.8] * 13:  # plain steps, fast and then in a slow spell
+            ctrl.choose_k(seqs)  # overruled by the history being replayed
+            outcomes = [verify_step(seq, 0, 0.5, rng) for seq in seqs]
+            t = 0.010 * slowdown
+            ctrl.observe(StepObservation(t, 0.0, t, 2, 2, [], outcomes))
+        return simulate(ctrl, seqs, lambda s, t: 0.5, target, draft, 200, rng)
+
+    hist = decisions()
+    assert any(ks != [0, 0] for ks in hist[:40])  # it speculates on the slow spell's price
+    assert sum(ks == [0, 0] for ks in hist[100:]) >= 90  # and then, measured again, not
+
+
 def test_a_row_count_mispriced_by_calibration_is_measured_live() -> None:
     """Calibration's bare forward at 3 rows says 330 ms; live it takes 200 ms (a CPU kernel's
     blocking changes with the row count). k = 2 (3 rows) is predicted within 10% of the best k,

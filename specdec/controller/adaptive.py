@@ -896,10 +896,29 @@ class AdaptiveController:
         if self._plain_measured(n_plain, recent=self.cost.window):
             v_out, v_plain = batch.assign(out), batch.assign(plain)
             batch.assign(out)
+            v_plain *= self._plain_price_slack(plain, batch)
             if v_out > v_plain * (1.0 + self.params.cost_probe_max_gain):
                 return
         out[:] = plain
         self.num_cost_probes += 1
+
+    def _plain_price_slack(self, plain: list[int], batch: BatchGoodput) -> float:
+        """How many times faster than priced an all-plain decode-only step of this batch has
+        run: its price over the fastest live step of its shape kept (1 if none, or if the step
+        is not all plain and decode-only, where the target forward is not the whole step).
+
+        The far-better exemption of ``_cost_probe`` must hold at that price too: a plain price
+        from a slow spell makes speculation look far better than it is (open prompts at two
+        sequences: plain priced at 181 ms from a slow spell, running at 100, speculation
+        predicted 70% faster and 12% slower), and, being far better, it would not be measured
+        again."""
+        n = len(plain)
+        if any(plain) or batch.extra_tokens >= 1 or n == 0:
+            return 1.0
+        fastest = self.cost.fastest_at(n, n)
+        if fastest is None or fastest <= 0:
+            return 1.0
+        return max(1.0, self.cost.target_time(n, n) / fastest)
 
     def _shape_probe(self, terms: list[SeqTerms], batch: BatchGoodput, out: list[int]) -> None:
         """Run the speculating sequences at another k for one step when that step is predicted

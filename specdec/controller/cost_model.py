@@ -826,6 +826,13 @@ class CostModel:
                     return True
         return found >= self.min_measured
 
+    def fastest_at(self, num_tokens: int, num_seqs: int) -> float | None:
+        """Seconds of the fastest kept live step of exactly this shape, or None if none is kept:
+        a floor under its price that no slow spell raises (other work on the machine only ever
+        adds time)."""
+        steps = self._measured_shapes.get((num_tokens, num_seqs))
+        return min(seconds for seconds, _ in steps) if steps else None
+
     def num_live_at(self, num_tokens: int, recent: int = 256) -> int:
         """Live steps with exactly ``num_tokens`` rows among the ``recent`` newest observations
         (at most ``measured_window``): how much the curve's point there rests on live data rather
