@@ -63,7 +63,9 @@ than its tolerance.
 The tolerance is ``curve_tolerance`` for a median of ``min_measured`` steps and shrinks as
 1 / sqrt(steps) (up to ``measured_window`` of them): a median of few steps is noisy and the fit,
 pooling every step, is the better estimate; but the fit's error at one shape is bias, which more
-steps do not average away, so a median of many steps a few percent off it is believed.
+steps do not average away, so a median of many steps a few percent off it is believed. Where
+eight or more steps agree closely, their spread gives the median's own standard error, and a
+median three of those off the fit is believed too (down to 2%).
 The per-row point mixes shapes (16 rows are 16 plain decodes or 8 sequences verifying one draft
 each; on a two-core CPU the first measured 540 ms and the second 600 ms, and the shift by the
 fit's per-sequence slope priced the plain step at 650 ms), and a decision between exactly those
@@ -125,6 +127,19 @@ def _counted(
     if steps[0][at] >= oldest:
         return steps
     return [s for s in steps if s[at] >= oldest]
+
+
+# Steps a point or shape needs before the spread of its steps may narrow its tolerance: the
+# median absolute deviation of fewer is itself too noisy (of three steps it is often ~0).
+NOISE_MIN_STEPS = 8
+
+
+def _median_spread(values: Sequence[float]) -> tuple[float, float]:
+    """The median of ``values`` and their median absolute deviation over it."""
+    median = statistics.median(values)
+    if median <= 0:
+        return median, 0.0
+    return median, statistics.median(abs(v - median) for v in values) / median
 
 
 # Knees tried when fitting (rows in the target forward). Beyond the data a knee means "linear".
@@ -463,6 +478,8 @@ class CostModel:
         knee_every: int = 64,
         measured_window: int = 16,
         curve_tolerance: float = 0.1,
+        noise_tolerance: float = 3.0,
+        min_tolerance: float = 0.02,
         max_measured_sizes: int = 256,
         min_measured: int = 3,
         stale_after: int = 256,
@@ -489,6 +506,8 @@ class CostModel:
         self._draft_anchors: list[DraftSample] = []
         self.measured_window = measured_window
         self.curve_tolerance = curve_tolerance
+        self.noise_tolerance = noise_tolerance
+        self.min_tolerance = min_tolerance
         self.max_measured_sizes = max_measured_sizes
         self.min_measured = min_measured
         self.stale_after = stale_after
@@ -512,11 +531,12 @@ class CostModel:
         self._factors_as_of: int | None = None
         self.draft_epoch = 0
         # target_curve's pieces, recomputed only where their inputs changed: row count ->
-        # (newest observation, steps counted, per-seq slope, (seconds, sequences)); the anchors'
-        # points under (anchor list, offset); shape -> (newest observation, steps counted, median)
-        self._point_memo: dict[int, tuple[int, int, float, tuple[float, float]]] = {}
+        # (newest observation, steps counted, per-seq slope, (seconds, sequences, spread)); the
+        # anchors' points under (anchor list, offset); shape -> (newest observation, steps
+        # counted, (median, spread))
+        self._point_memo: dict[int, tuple[int, int, float, tuple[float, float, float]]] = {}
         self._anchor_memo: tuple[object, float, dict[int, tuple[float, float]]] | None = None
-        self._shape_memo: dict[tuple[int, int], tuple[int, int, float]] = {}
+        self._shape_memo: dict[tuple[int, int], tuple[int, int, tuple[float, float]]] = {}
         # the last curve: ((fit, anchors, live points as kept), curve without shapes, curve)
         self._curve_memo: tuple[tuple, TargetCurve, TargetCurve] | None = None
         # True: no memo is used (target curve pieces, the draft fit, the feature columns): the
@@ -561,13 +581,13 @@ class CostModel:
                 recent = self._counted(recent, 2, now, timed=True)
                 hit = memo.get(n)
                 if hit is not None and hit[:3] == (newest, len(recent), per_seq):
-                    t, seqs = hit[3]
+                    t, seqs, spread = hit[3]
                 else:
                     seqs = statistics.fmean(s for _, s, _ in recent)
                     # The median resists the odd stalled step; steps of this row count at other
                     # sequence counts are first moved to the mean count by the fit's slope.
-                    t = statistics.median(t + per_seq * (seqs - s) for t, s, _ in recent)
-                    memo[n] = (newest, len(recent), per_seq, (t, seqs))
+                    t, spread = _median_spread([t + per_seq * (seqs - s) for t, s, _ in recent])
+                    memo[n] = (newest, len(recent), per_seq, (t, seqs, spread))
                 if len(recent) < self.min_measured and t > self.stall_ratio * self._unmeasured(
                     n, seqs, anchors
                 ):
@@ -575,7 +595,7 @@ class CostModel:
                     # the row count had without them: taken for a stall until more steps agree
                     # (a row count priced out by a stall is avoided, so never measured again).
                     continue
-                live[n] = (t, seqs, len(recent))
+                live[n] = (t, seqs, len(recent), spread)
             if len(memo) > 2 * self.max_measured_sizes:
                 for n in [n for n in memo if n not in self._measured]:
                     del memo[n]
@@ -583,7 +603,10 @@ class CostModel:
             # point within the fit's noise is dropped, so its seconds do not matter): a step
             # that moved no kept point leaves the curve as it was, and it is reused.
             live_points = tuple(
-                sorted(self._curve_point(n, t, seqs, count) for n, (t, seqs, count) in live.items())
+                sorted(
+                    self._curve_point(n, t, seqs, count, spread)
+                    for n, (t, seqs, count, spread) in live.items()
+                )
             )  # sorted: the same points whichever row count was measured last
             key = (fit, anchors, live_points)
             old = self._curve_memo
@@ -619,14 +642,14 @@ class CostModel:
         return max(t + self.target.per_seq * (seqs - s), _MIN_TIME)
 
     def _curve_point(
-        self, n: int, t: float, seqs: float, count: int
+        self, n: int, t: float, seqs: float, count: int, spread: float | None = None
     ) -> tuple[int, float | None, float]:
         """(rows, seconds or None, sequences) of a point measured by ``count`` steps (a
-        calibration forward counts as ``min_measured``): within ``_tolerance(count)`` of the
-        fit, the fit is the better estimate (it pools every step; a point holds a few), so the
-        point keeps its seconds only where the fit is clearly off."""
+        calibration forward counts as ``min_measured``) whose relative spread is ``spread``:
+        within ``_tolerance`` of the fit, the fit is the better estimate (it pools every step;
+        a point holds a few), so the point keeps its seconds only where the fit is clearly off."""
         fit = self.target(n, seqs)
-        return (n, t if abs(t - fit) > self._tolerance(count) * fit else None, seqs)
+        return (n, t if abs(t - fit) > self._tolerance(count, spread) * fit else None, seqs)
 
     def _counted(
         self, steps: Sequence[tuple], at: int, now: int, timed: bool = False
@@ -638,15 +661,31 @@ class CostModel:
             steps, at, now, self.stale_after, self.refresh_after, self.min_measured, faster_by
         )
 
-    def _tolerance(self, count: int) -> float:
+    def _tolerance(self, count: int, spread: float | None = None) -> float:
         """How far a median of ``count`` live steps must be off the fit to be believed over it:
         ``curve_tolerance`` at ``min_measured`` steps, shrinking as the median's own noise does
         (1 / sqrt(count)). The fit's error at one row count is not noise but bias (its form is
         smooth, the kernels are not), and it does not average away: on the real pair at four
         sequences the fit priced the plain step 7% over the 160 ms that steps of it measured
         all along, within a flat 10%, and the controller speculated for a gain of 3% it
-        predicted at 19%."""
-        return self.curve_tolerance * math.sqrt(self.min_measured / max(count, self.min_measured))
+        predicted at 19%.
+
+        Where ``NOISE_MIN_STEPS`` or more steps give their relative ``spread`` (median absolute
+        deviation over the median), the median's standard error is estimated from it, and a
+        median ``noise_tolerance`` standard errors off the fit is believed too, down to
+        ``min_tolerance``: steps that agree closely pin their price well inside the flat rule's
+        band (on the real pair at eight sequences, sixteen steps each put the plain step 2.5%
+        under the fit and two drafts each 4% over it, and speculating was predicted 11% better
+        than plain where it measured 5%, too little to pay for its tails and catch-ups)."""
+        tolerance = self.curve_tolerance * math.sqrt(
+            self.min_measured / max(count, self.min_measured)
+        )
+        if spread is not None and count >= NOISE_MIN_STEPS:
+            # MAD -> standard deviation (x 1.4826, normal steps), then the median's standard
+            # error (x 1.2533 / sqrt(count)).
+            noise = 1.4826 * 1.2533 * spread / math.sqrt(count)
+            tolerance = max(self.min_tolerance, min(tolerance, self.noise_tolerance * noise))
+        return tolerance
 
     def _anchor_points(self) -> dict[int, tuple[float, float]]:
         """rows -> (seconds, sequences) of the calibration forwards, plus what a live step adds
@@ -673,12 +712,12 @@ class CostModel:
             if len(recent) >= self.min_measured:
                 hit = memo.get((n, s))
                 if hit is not None and hit[:2] == (newest, len(recent)):
-                    t = hit[2]
+                    t, spread = hit[2]
                 else:
-                    t = statistics.median(t for t, _ in recent)
-                    memo[(n, s)] = (newest, len(recent), t)
+                    t, spread = _median_spread([t for t, _ in recent])
+                    memo[(n, s)] = (newest, len(recent), (t, spread))
                 c = curve(n, s)
-                if abs(t - c) > self._tolerance(len(recent)) * c:
+                if abs(t - c) > self._tolerance(len(recent), spread) * c:
                     out[(n, s)] = t
         if len(memo) > 2 * self.max_measured_sizes:
             for shape in [k for k in memo if k not in self._measured_shapes]:
