@@ -207,13 +207,13 @@ def test_a_speculating_batch_whose_size_measured_a_loss_must_clear_the_start_bar
     band between the 2% keep bar and the 8% start bar). Where its batch size ran speculating
     decode steps lately that measured fewer tokens/s than its plain steps (no draft accepted:
     -23%), the gain predicted inside the band was measured to be a loss: it must clear the start
-    bar, and the batch goes plain. Steps that measured a gain (all accepted), or the switch off,
-    keep it speculating."""
+    bar, and the batch goes plain (counted in the stats). Steps that measured a gain (all
+    accepted), or the switch off, keep it speculating."""
     target = flat_target(0.010)
     draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
     never = 10**9
 
-    def decision_after(accepted: int, **params: object) -> list[int]:
+    def decision_after(accepted: int, **params: object) -> tuple[list[int], int]:
         ctrl = controller(
             0.365,
             target,
@@ -239,11 +239,11 @@ def test_a_speculating_batch_whose_size_measured_a_loss_must_clear_the_start_bar
                     )
                 )
         ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.365)  # k = 1 predicted 5% faster
-        return ctrl.choose_k(seqs)
+        return ctrl.choose_k(seqs), ctrl.stats()["num_measured_stops"]
 
-    assert decision_after(accepted=1) == [1]
-    assert decision_after(accepted=0) == [0]
-    assert decision_after(accepted=0, measured_loss_raises_keep_bar=False) == [1]
+    assert decision_after(accepted=1) == ([1], 0)
+    assert decision_after(accepted=0) == ([0], 1)  # counted: a stop the measurement made
+    assert decision_after(accepted=0, measured_loss_raises_keep_bar=False) == ([1], 0)
 
 
 def test_a_probes_step_is_not_taken_for_what_speculation_pays() -> None:

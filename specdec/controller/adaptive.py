@@ -225,6 +225,9 @@ class AdaptiveController:
         # decisions to start speculating that cleared the keep bar, not the start bar, because
         # the batch's size measured speculation paying lately
         self.num_measured_starts = 0
+        # decisions that went plain from a speculating batch only because its size measured
+        # speculation losing lately (the gain predicted cleared the keep bar, not the start bar)
+        self.num_measured_stops = 0
         self._last = _Decision()
         # 'auto' sequences that drafted at the last decode-only decision, and whether any of
         # them is in the batch being decided (it is then "speculating already")
@@ -420,6 +423,9 @@ class AdaptiveController:
         v_chosen = batch.assign(chosen)
         v_plain = batch.assign(plain)
         if v_chosen <= v_plain * (1.0 + margin):
+            keep = min(self.params.plain_margin, self.params.plain_keep_margin)
+            if self._speculating and margin > keep and v_chosen > v_plain * (1.0 + keep):
+                self.num_measured_stops += 1
             return plain
         if not self._speculating and margin < self.params.plain_margin:
             self.num_measured_starts += 1
@@ -1174,6 +1180,7 @@ class AdaptiveController:
             "num_shape_probes": self.num_shape_probes,
             "num_decision_changes": self.num_changes,
             "num_measured_starts": self.num_measured_starts,
+            "num_measured_stops": self.num_measured_stops,
             "acceptance_prior": [round(a, 4) for a in prior],
             "mean_acceptance": sum(first) / len(first) if first else prior[0],
             "acceptance_strength": self.acceptance.strength,
