@@ -136,6 +136,20 @@ class ServerMetrics:
             gauge_labels,
             registry=r,
         )
+        self.cost_model = Gauge(
+            "specdec:spec_decode_cost_model",
+            "The adaptive controller's fitted step-cost coefficients (a name's suffix is its "
+            "unit: _s seconds, _tokens and _rows rows of a forward)",
+            (*gauge_labels, "coefficient"),
+            registry=r,
+        )
+        self.acceptance_estimate = Gauge(
+            "specdec:spec_decode_acceptance_estimate",
+            "The adaptive controller's engine-wide chance that a draft at each position (0-based) "
+            "is accepted, given the ones before it were",
+            (*gauge_labels, "position"),
+            registry=r,
+        )
         self.engine_alive = Gauge(
             "specdec:engine_loop_alive", "1 while the engine loop runs", gauge_labels, registry=r
         )
@@ -148,6 +162,10 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(snapshot.kv_usage)
         self.mean_k.labels(m).set(snapshot.mean_k)
         self.speculating_fraction.labels(m).set(snapshot.speculating_fraction)
+        for name, value in snapshot.controller_costs:
+            self.cost_model.labels(m, name).set(value)
+        for position, acceptance in enumerate(snapshot.acceptance_estimate):
+            self.acceptance_estimate.labels(m, str(position)).set(acceptance)
         self.engine_alive.labels(m).set(1.0 if alive else 0.0)
         return generate_latest(self.registry)
 

@@ -83,6 +83,10 @@ class EngineSnapshot:
     speculating_fraction: float = 0.0
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
+    # The adaptive controller's inputs: its fitted step-cost coefficients (``CostModel.to_dict``)
+    # and its engine-wide acceptance estimate per draft position; empty for other controllers.
+    controller_costs: tuple[tuple[str, float], ...] = ()
+    acceptance_estimate: tuple[float, ...] = ()
     loop_time: float = 0.0  # time.monotonic() of the iteration that published this
 
 
@@ -370,6 +374,12 @@ class AsyncEngine:
             speculating_fraction=float(controller.get("speculating_fraction", 0.0)),
             acceptance_rate=engine.spec_stats.acceptance_rate,
             mean_accepted_length=engine.spec_stats.mean_accepted_length,
+            controller_costs=tuple(
+                (name.removeprefix("cost_"), float(value))
+                for name, value in controller.items()
+                if name.startswith("cost_")
+            ),
+            acceptance_estimate=tuple(float(a) for a in controller.get("acceptance_prior", ())),
             loop_time=time.monotonic(),
         )
 
