@@ -161,39 +161,53 @@ def test_a_new_batch_after_a_speculating_one_must_clear_the_start_bar() -> None:
     assert second_batch(start=0) == [1]  # the same request: within the band, it goes on
 
 
+def measured_plain_then_drafting(
+    seqs: list, accepted: int, speculating: bool, **params: object
+) -> AdaptiveController:
+    """A controller on a 10 ms target step and a 3 ms draft forward that has seen ``seqs[0]``
+    run 8 plain decode steps and then 8 that draft one token with ``accepted`` of it accepted,
+    priced as the model says; then its acceptance falls to where k = 1 is predicted 5% faster
+    than plain. ``speculating``: the controller itself chose those drafts (its acceptance set
+    high while they ran), so its batch is speculating; else they overrule its decisions."""
+    never = 10**9
+    ctrl = controller(
+        0.365,
+        flat_target(0.010),
+        DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0),
+        probe_every=never,
+        cost_probe_every=never,
+        shape_probe_every=never,
+        **params,
+    )
+    for drafted in (0, 1):
+        for _ in range(8):
+            if drafted and speculating:  # it speculates, whatever the last verify held
+                ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.9)
+            chose = ctrl.choose_k(seqs)[0] > 0
+            if speculating:
+                assert chose == bool(drafted)
+            outcome = SeqOutcome(seqs[0], drafted, accepted if drafted else 0)
+            t_draft = 0.003 * drafted
+            forwards = [(1, 1)] if drafted else []
+            ctrl.observe(
+                StepObservation(
+                    0.010 + t_draft, t_draft, 0.010, 1 + drafted, 1, forwards, [outcome]
+                )
+            )
+    ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.365)  # k = 1 predicted 5% faster
+    return ctrl
+
+
 def test_a_batch_size_that_measured_speculation_paying_starts_at_the_keep_bar() -> None:
     """k = 1 predicted 5% faster than plain: a new request does not start at the 8% bar. Where
     requests of its batch size ran speculating decode steps lately that measured clearly more
     tokens/s than their plain steps (all drafts accepted: +54%), the gain was seen, not just
     predicted, and it starts at the 2% keep bar. Speculating steps that measured less (no draft
     accepted), the switch off, or steps of an A/B arm ('on' requests) leave the bar at 8%."""
-    target = flat_target(0.010)
-    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
-    never = 10**9
 
     def new_request_after(accepted: int, mode: str = "auto", **params: object) -> list[int]:
-        ctrl = controller(
-            0.365,
-            target,
-            draft,
-            probe_every=never,
-            cost_probe_every=never,
-            shape_probe_every=never,
-            **params,
-        )
         seqs = make_seqs(1, mode=mode)
-        for drafted in (0, 1):  # 8 plain steps, then 8 speculating ones, priced as the model says
-            for _ in range(8):
-                ctrl.choose_k(seqs)
-                outcome = SeqOutcome(seqs[0], drafted, accepted if drafted else 0)
-                t_draft = 0.003 * drafted
-                forwards = [(1, 1)] if drafted else []
-                ctrl.observe(
-                    StepObservation(
-                        0.010 + t_draft, t_draft, 0.010, 1 + drafted, 1, forwards, [outcome]
-                    )
-                )
-        ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.365)  # k = 1 predicted 5% faster
+        ctrl = measured_plain_then_drafting(seqs, accepted, speculating=False, **params)
         return ctrl.choose_k(make_seqs(1, start=1))
 
     assert new_request_after(accepted=1) == [1]
@@ -209,36 +223,12 @@ def test_a_speculating_batch_whose_size_measured_a_loss_must_clear_the_start_bar
     -23%), the gain predicted inside the band was measured to be a loss: it must clear the start
     bar, and the batch goes plain (counted in the stats). Steps that measured a gain (all
     accepted), or the switch off, keep it speculating."""
-    target = flat_target(0.010)
-    draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)
-    never = 10**9
 
     def decision_after(accepted: int, **params: object) -> tuple[list[int], int]:
-        ctrl = controller(
-            0.365,
-            target,
-            draft,
-            probe_every=never,
-            cost_probe_every=never,
-            shape_probe_every=never,
-            cold_probe=False,
-            **params,
-        )
         seqs = make_seqs(1)
-        for drafted in (0, 1):  # 8 plain steps, then 8 speculating ones, priced as the model says
-            for _ in range(8):
-                if drafted:  # it speculates, whatever the last verify held
-                    ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.9)
-                assert (ctrl.choose_k(seqs)[0] > 0) == bool(drafted)
-                outcome = SeqOutcome(seqs[0], drafted, accepted if drafted else 0)
-                t_draft = 0.003 * drafted
-                forwards = [(1, 1)] if drafted else []
-                ctrl.observe(
-                    StepObservation(
-                        0.010 + t_draft, t_draft, 0.010, 1 + drafted, 1, forwards, [outcome]
-                    )
-                )
-        ctrl.acceptance = AcceptanceTracker(K_MAX, initial=0.365)  # k = 1 predicted 5% faster
+        ctrl = measured_plain_then_drafting(
+            seqs, accepted, speculating=True, cold_probe=False, **params
+        )
         return ctrl.choose_k(seqs), ctrl.stats()["num_measured_stops"]
 
     assert decision_after(accepted=1) == ([1], 0)
