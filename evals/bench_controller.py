@@ -288,6 +288,21 @@ def round_requests(
     ]
 
 
+def warmup_requests(
+    args: argparse.Namespace, workload: str, prompts: list[list[int]]
+) -> list[tuple[str, list[int], SamplingParams]]:
+    """The untimed requests served before ``workload``'s points: ``--warmup-requests`` of
+    ``--warmup-tokens`` tokens, numbered after every request the measured rounds send (fresh
+    seeds, so no measured request replays a warm-up's text)."""
+    measured = args.repeats * max(args.num_prompts or max(c, 4) for c in args.concurrency)
+    n = args.warmup_requests
+    after_measured = -(-measured // n)  # ceil: its first request comes after the last measured
+    temperature = WORKLOADS[workload][1]
+    return round_requests(
+        f"warmup-{workload}", 2, prompts, temperature, n, args.warmup_tokens, after_measured
+    )
+
+
 def run_round(
     engines: dict[str, LLMEngine],
     controllers: dict[str, SpeculationController],
@@ -373,6 +388,20 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     return engines
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=EngineConfig.model)
@@ -409,7 +438,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=4,
         help="adaptive arm: the longest draft it may choose (the fixed arms draft 2 and 4)",
     )
-    p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 24 tokens")
+    p.add_argument(
+        "--warmup-requests",
+        type=_non_negative,
+        default=8,
+        help="untimed requests every arm serves (two at a time) before each workload's points",
+    )
+    p.add_argument("--warmup-tokens", type=_positive, default=32, help="tokens per warm-up request")
+    p.add_argument(
+        "--quick", action="store_true", help="concurrency 1 and 4, 24 tokens, 2 warm-up requests"
+    )
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     p.add_argument("--name", default=None, help="file stem (default bench_controller[_tiny])")
@@ -423,6 +461,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.concurrency = [c for c in args.concurrency if c in (1, 4)] or [1, 4]
         args.max_tokens = min(args.max_tokens, 24)
+        args.warmup_requests = min(args.warmup_requests, 2)
+        args.warmup_tokens = min(args.warmup_tokens, 8)
     args.name = args.name or ("bench_controller_tiny" if args.tiny else "bench_controller")
     return args
 
@@ -455,9 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up (kernels, allocators, the adaptive controller's first live steps; not
         # reported) on this workload right before its points, so the engine-wide acceptance
         # prior that new requests start from is this workload's, as on a server that serves it,
-        # rather than whatever workload was warmed up or measured last.
-        warmup = round_requests(f"warmup-{w}", 2, prompts_w, temperature, 2, 8, 0)
-        run_round(arm_engines, controllers, w, warmup, 2)
+        # rather than whatever workload was warmed up or measured last. The prior remembers
+        # about a hundred verifies: a warm-up of two 8-token requests gave it a handful, and
+        # the first round of the first point (code, c=1) was adaptive's lowest of three, or
+        # tied for it, in seven of eight sweeps, its first requests deciding on a prior that
+        # one early rejection moved by 0.1.
+        if args.warmup_requests > 0:
+            run_round(arm_engines, controllers, w, warmup_requests(args, w, prompts_w), 2)
         for c in args.concurrency:
             n = args.num_prompts or max(c, 4)
             runs: dict[str, list[ArmResult]] = {arm: [] for arm in args.arms}
@@ -505,6 +549,7 @@ def write_results(
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
         "repeats": args.repeats,
+        "warmup": {"requests": args.warmup_requests, "tokens": args.warmup_tokens},
         "arms_step_in_turn": True,
         "total_seconds": time.perf_counter() - t0,
         "controller_final": {k: v for k, v in adaptive.stats().items() if not isinstance(v, dict)},

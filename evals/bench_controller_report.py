@@ -74,6 +74,12 @@ def _method(meta: dict) -> str:
             "ones) on its own engine, the engines stepping in turn, so the arms meet the same "
             "spells of a shared machine; each round's figure is in the JSON."
         )
+        warmup = meta.get("warmup")
+        if warmup:  # runs from before it was recorded warmed up on two 8-token requests
+            how += (
+                f" Before each workload's points every arm served {warmup['requests']} untimed "
+                f"warm-up requests of {warmup['tokens']} tokens, two at a time."
+            )
     else:  # results from before the arms stepped in turn: whole runs, one arm after another
         how = (
             f"Throughput in output tokens/s, the median of {rounds} interleaved run(s) of every "

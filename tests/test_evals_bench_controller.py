@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.sequence import SpecStats
+from evals import bench_controller as bench
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs, round_requests, run_round
 from evals.bench_controller_report import main as report_main
 from evals.bench_controller_report import merge_results, round_ratios
@@ -299,3 +300,39 @@ def test_merging_refuses_a_point_measured_twice_or_parts_of_different_benchmarks
         merge_results([_part("code", [1]), _part("open", [1], in_turn=None)])
     with pytest.raises(ValueError, match="nothing to merge"):
         merge_results([])
+
+
+def test_each_workload_starts_with_a_warm_up_of_fresh_requests(tmp_path, monkeypatch) -> None:
+    """Every arm serves ``--warmup-requests`` untimed requests of ``--warmup-tokens`` tokens, two
+    at a time, before a workload's points; their seeds follow every measured request's."""
+    served: list[tuple[str, int, list]] = []
+    real_round = bench.run_round
+
+    def recording(engines, controllers, workload, requests, concurrency, *args, **kwargs):
+        served.append((workload, concurrency, requests))
+        return real_round(engines, controllers, workload, requests, concurrency, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_round", recording)
+    argv = ["--tiny", "--concurrency", "1", "--workloads", "code", "--repeats", "2"]
+    argv += ["--max-tokens", "6", "--warmup-requests", "3", "--warmup-tokens", "5"]
+    assert main([*argv, "--out-dir", str(tmp_path), "--name", "warm"]) == 0
+    (_, warm_c, warm), *rounds = served
+    assert warm_c == 2 and len(rounds) == 2
+    assert [p.max_tokens for _, _, p in warm] == [5] * 3
+    measured = [p.seed for _, _, reqs in rounds for _, _, p in reqs]
+    assert sorted(measured) == list(range(8))  # 2 rounds x max(c, 4) requests
+    assert [p.seed for _, _, p in warm] == [9, 10, 11]  # the first multiple of 3 past them
+    meta = json.loads((tmp_path / "warm.json").read_text())["meta"]
+    assert meta["warmup"] == {"requests": 3, "tokens": 5}
+    assert "3 untimed warm-up requests of 5 tokens" in (tmp_path / "warm.md").read_text()
+
+
+def test_the_warm_up_is_sized_by_flags_and_kept_short_by_quick() -> None:
+    args = bench.parse_args([])
+    assert (args.warmup_requests, args.warmup_tokens) == (8, 32)
+    quick = bench.parse_args(["--quick"])
+    assert (quick.warmup_requests, quick.warmup_tokens) == (2, 8)
+    assert bench.parse_args(["--warmup-requests", "0"]).warmup_requests == 0  # no warm-up
+    for bad in (["--warmup-requests", "-1"], ["--warmup-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
