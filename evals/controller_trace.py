@@ -102,15 +102,18 @@ class TracingController:
         }
         if self._expected:
             cost = self.model.cost
+            # Prices are kept at the reference speed; at the speed the model believed the
+            # machine ran at when it decided, they are predictions of this step's seconds.
+            speed = cost.speed_index
+            plain_rows = obs.num_target_tokens - sum(o.num_drafted for o in decodes)
             line |= {
                 "ks": self._ks,  # decided (the scheduler may clip a k near max_tokens)
                 "drafted": [o.num_drafted for o in decodes],  # verified
-                "predicted_target_s": cost.target_time(obs.num_target_tokens, obs.num_seqs),
-                "predicted_draft_s": cost.draft_time(obs.draft_forwards),
+                "speed_index": speed,
+                "predicted_target_s": speed * cost.target_time(obs.num_target_tokens, obs.num_seqs),
+                "predicted_draft_s": speed * cost.draft_time(obs.draft_forwards),
                 # the same step with every decode plain: what speculating was weighed against
-                "predicted_plain_s": cost.target_time(
-                    obs.num_target_tokens - sum(o.num_drafted for o in decodes), obs.num_seqs
-                ),
+                "predicted_plain_s": speed * cost.target_time(plain_rows, obs.num_seqs),
                 "predicted_step_s": self._predicted_step,
                 "draft_forwards": obs.draft_forwards,
                 "expected_tokens": sum(

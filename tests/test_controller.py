@@ -1028,6 +1028,124 @@ def test_one_fresh_step_well_under_a_slow_spells_price_is_believed_at_once() -> 
     assert after_the_spell(0.30) == pytest.approx(0.18, rel=0.02)
 
 
+SPELL_TARGET = TargetCost(base=0.1, per_seq=0.0, slope_low=0.005, knee=64, slope_high=0.005)
+SPELL_DRAFT = DraftCost(per_forward=0.03, per_row=0.0, per_seq=0.0)
+
+
+def observe_step(model: CostModel, rows: int, slowdown: float, noise: float = 1.0) -> None:
+    """One step of ``rows`` target rows at one sequence (``rows - 1`` one-row draft forwards)
+    as the controller reports it: the speed first, then the draft and target seconds."""
+    target_s = SPELL_TARGET(rows, 1) * slowdown * noise
+    model.observe_speed(rows, 1, target_s)
+    if rows > 1:
+        forwards = [(1, 1)] * (rows - 1)
+        model.observe_draft(forwards, SPELL_DRAFT.per_forward * (rows - 1) * slowdown * noise)
+    model.observe_target(rows, 1, target_s)
+
+
+@pytest.mark.parametrize("track_speed", [True, False])
+def test_a_slow_spell_moves_the_speed_index_not_the_price_of_the_shape_it_slowed(
+    track_speed: bool,
+) -> None:
+    """Plain steps and four-draft steps both measured at the machine's usual speed; then a spell
+    slows the machine by 35% while only four-draft steps run. Every shape is slower in it, but
+    only the one that ran was measured: priced as measured, four drafts would look 35% dearer
+    against plain than they are (the controller at code c=1 left four drafts for shapes priced
+    before such a spell). Their steps against their own earlier ones give the machine's speed;
+    divided by it, the spell's steps leave the prices where they were, and it ends as it came."""
+    model = CostModel(SPELL_TARGET, SPELL_DRAFT, track_speed=track_speed)
+    rng = random.Random(0)
+    for _ in range(16):
+        observe_step(model, 1, 1.0, 1 + 0.02 * rng.gauss(0, 1))
+        observe_step(model, 5, 1.0, 1 + 0.02 * rng.gauss(0, 1))
+    for _ in range(12):
+        observe_step(model, 5, 1.35, 1 + 0.02 * rng.gauss(0, 1))
+    relative = model.target_time(5, 1) / model.target_time(1, 1)
+    true_relative = SPELL_TARGET(5, 1) / SPELL_TARGET(1, 1)
+    draft = model.draft_time([(1, 1)] * 4)
+    if track_speed:
+        assert model.speed_index == pytest.approx(1.35, rel=0.03)
+        assert relative == pytest.approx(true_relative, rel=0.03)
+        assert draft == pytest.approx(4 * SPELL_DRAFT.per_forward, rel=0.03)
+        assert model.to_dict()["speed_index"] == model.speed_index
+        for _ in range(4):  # the spell ends
+            observe_step(model, 5, 1.0)
+        assert model.speed_index == 1.0
+    else:
+        assert model.speed_index == 1.0
+        assert relative == pytest.approx(1.35 * true_relative, rel=0.03)
+        assert draft == pytest.approx(1.35 * 4 * SPELL_DRAFT.per_forward, rel=0.03)
+
+
+def test_a_shapes_first_steps_are_its_price_not_a_spell() -> None:
+    """A shape calibrated at 90 ms that runs at 130 live has no live steps to be compared with:
+    its first steps reprice it and move no index. And a shape first run while a spell the index
+    has seen lasts is priced at the usual speed, as the shapes measured before the spell are."""
+    calibrated = CostModel(SPELL_TARGET, SPELL_DRAFT)
+    calibrated.seed([TargetSample(3, 1, 0.09, calibration=True)], [])
+    for _ in range(8):
+        calibrated.observe_speed(3, 1, 0.13)
+        calibrated.observe_target(3, 1, 0.13)
+    assert calibrated.speed_index == 1.0
+    assert calibrated.target_time(3, 1) == pytest.approx(0.13, rel=0.02)
+
+    model = CostModel(SPELL_TARGET, SPELL_DRAFT)
+    for _ in range(8):
+        observe_step(model, 1, 1.0)
+    for _ in range(5):
+        observe_step(model, 1, 1.4)  # the spell, seen on plain steps
+    assert model.speed_index == pytest.approx(1.4)
+    for _ in range(5):
+        observe_step(model, 4, 1.4)  # four rows, never run before
+    assert model.speed_index == pytest.approx(1.4)
+    # Kept at the usual speed, as the plain steps before the spell were.
+    assert model.fastest_at(4, 1) == pytest.approx(SPELL_TARGET(4, 1))
+    assert model.fastest_at(1, 1) == pytest.approx(SPELL_TARGET(1, 1))
+    for _ in range(4):  # the spell ends: four usual steps are most of the last seven votes
+        observe_step(model, 4, 1.0)
+    assert model.speed_index == 1.0
+
+
+def test_in_a_slow_spell_the_controller_keeps_the_draft_length_that_pays() -> None:
+    """One sequence at acceptance 0.93, drafts priced as on the real pair's CPU: four drafts pay
+    best, and every other length is measured now and then by shape probes. Midway the machine
+    slows by 35% for 60 steps, every shape alike. Without the speed index the four-draft steps
+    measured in the spell look dear against the others' older prices, and the controller
+    leaves them; with it, it stays (probes and the odd step aside)."""
+
+    def run(track_speed: bool) -> list[int]:
+        draft = DraftCost(per_forward=0.037, per_row=0.0, per_seq=0.0)
+        target = TargetCost(base=0.095, per_seq=0.0, slope_low=0.006, knee=64, slope_high=0.006)
+        ctrl = AdaptiveController(
+            K_MAX,
+            cost=CostModel(target, draft, track_speed=track_speed),
+            acceptance=AcceptanceTracker(K_MAX, initial=0.93),
+            params=AdaptiveParams(plain_first=False),
+        )
+        rng = random.Random(3)
+        seqs = make_seqs(1)
+        chosen = []
+        for i in range(260):
+            slowdown = 1.35 if 150 <= i < 210 else 1.0
+            ks = ctrl.choose_k(seqs)
+            chosen.append(ks[0])
+            forwards = draft_forwards(seqs, ks)
+            outcomes = [verify_step(seqs[0], ks[0], 0.93, rng)]
+            rows = 1 + ks[0]
+            noise = 1 + 0.02 * rng.gauss(0, 1)
+            t_target = target(rows, 1) * slowdown * noise
+            t_draft = sum(draft(r, n) for r, n in forwards) * slowdown * noise
+            ctrl.observe(
+                StepObservation(t_target + t_draft, t_draft, t_target, rows, 1, forwards, outcomes)
+            )
+        return chosen
+
+    tracked, untracked = run(True), run(False)
+    assert tracked[100:150].count(4) >= 44  # four drafts pay best, and are chosen
+    assert tracked[150:210].count(4) >= 52  # in the spell too
+    assert untracked[150:210].count(4) <= 40  # where the spell's prices sent it elsewhere
+
+
 @pytest.mark.parametrize("refresh_after", [64, 256])
 def test_a_near_best_draft_length_priced_in_a_slow_spell_is_measured_afresh(
     refresh_after: int,

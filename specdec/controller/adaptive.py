@@ -1094,18 +1094,21 @@ class AdaptiveController:
                 st = self._states.get(o.seq.seq_id)
                 if st is not None and st.probing:
                     st.probe_promising = o.num_accepted == o.num_drafted
+        target_s = max(obs.step_time - obs.draft_time, 1e-9)
+        self.cost.observe_speed(obs.num_target_tokens, obs.num_seqs, target_s)
         forwards = obs.draft_forwards or self._reconstruct_forwards(obs)
         if forwards and obs.draft_time > 0:
             self.cost.observe_draft(forwards, obs.draft_time)
-        self.cost.observe_target(
-            obs.num_target_tokens, obs.num_seqs, max(obs.step_time - obs.draft_time, 1e-9)
-        )
+        self.cost.observe_target(obs.num_target_tokens, obs.num_seqs, target_s)
         decodes, prefill_rows = self._observe_prefill(obs)
         decode_only = decodes and prefill_rows == 0 and len(decodes) == obs.num_seqs
         # Only 'auto' batches: an A/B arm's or an eval's steps say nothing of what the
         # controller's own speculation pays. Nor does a probe's step: one sequence drafting
         # once (its draft often catching up on a prompt) beside plain ones measures acceptance,
         # not what speculating the batch pays.
+        # Seconds at the reference speed: plain steps of a slow spell and speculating steps of
+        # a fast one compare as the same machine; probes are priced in that unit too.
+        step_s = obs.step_time / self.cost.speed_index
         if (
             decode_only
             and all(o.seq.spec_mode == "auto" for o in decodes)
@@ -1115,13 +1118,13 @@ class AdaptiveController:
                 len(decodes),
                 any(o.num_drafted > 0 for o in decodes),
                 sum(1 + o.num_accepted for o in decodes),
-                obs.step_time,
+                step_s,
                 self._num_observed,
             )
         if any(o.seq.spec_mode == "auto" for o in obs.outcomes):
             # The budget is a share of the time 'auto' sequences ran: steps of 'on' and 'off'
             # requests alone (an A/B arm, an eval) do not pay for probing 'auto' ones.
-            self._earn_probe_budget(obs.step_time)
+            self._earn_probe_budget(step_s)
         for o in obs.outcomes:
             if o.seq.is_finished:
                 self._forget(o.seq.seq_id)
@@ -1170,8 +1173,9 @@ class AdaptiveController:
             "mean_k": sum(ks) / n if n else 0.0,
             "speculating_fraction": sum(k > 0 for k in ks) / n if n else 0.0,
             "num_decode_seqs": n,
-            "predicted_goodput_tokens_per_s": self._last.goodput,
-            "predicted_step_time_s": self._last.step_time,
+            # at the machine's current speed (the decision's prices are at the reference speed)
+            "predicted_goodput_tokens_per_s": self._last.goodput / self.cost.speed_index,
+            "predicted_step_time_s": self.predicted_step_time_s,
             "prefill_rows_estimate": self.extra_tokens,
             "num_probes": self.num_probes,
             "num_probes_deferred": self.num_probes_deferred,
@@ -1192,8 +1196,9 @@ class AdaptiveController:
 
     @property
     def predicted_step_time_s(self) -> float:
-        """Predicted seconds of the step the last ``choose_k`` decided (probes included)."""
-        return self._last.step_time
+        """Predicted seconds of the step the last ``choose_k`` decided (probes included), at the
+        machine's current speed (prices are kept at the reference speed: ``CostModel``)."""
+        return self._last.step_time * self.cost.speed_index
 
     def summary(self) -> str:
         s = self.stats()
@@ -1206,6 +1211,7 @@ class AdaptiveController:
             f" then {s['cost_target_per_token_above_knee_s'] * 1e3:.3f}ms/tok)"
             f" draft={s['cost_draft_per_forward_s'] * 1e3:.2f}ms/fwd"
             f"+{s['cost_draft_per_row_s'] * 1e3:.3f}ms/row(knee {s['cost_draft_knee_rows']:.0f},"
-            f" then {s['cost_draft_per_row_above_knee_s'] * 1e3:.3f}ms/row) "
+            f" then {s['cost_draft_per_row_above_knee_s'] * 1e3:.3f}ms/row)"
+            f" speed={s['cost_speed_index']:.2f} "
             f"goodput={s['predicted_goodput_tokens_per_s']:.1f}tok/s probes={s['num_probes']}"
         )

@@ -56,6 +56,19 @@ parametric fit's increase. A point is shifted by the fit's per-sequence
 slope when asked about another sequence count than it was measured at.
 The parametric fit alone answers only where no step of any size was measured yet.
 
+Machine speed: a shared machine runs in spells (on two cores, the same four-draft step took 255 ms
+for a while, then 340 ms, then 255 again), and a spell slows every shape alike. The controller
+runs a few shapes and prices the others from when they last ran, so in a slow spell the shape it
+runs looks dearer than shapes last measured in a fast one, and it leaves its best shape for one
+that is not better (at code c=1, four-draft steps measured at 340 ms in a slow spell, 255 before
+it, sent it to three and one drafts priced before the spell, which then ran slow too). So every
+step is also compared with the median of its own shape's kept steps: the median of the last
+``speed_window`` such ratios is the machine's ``speed_index`` (1 within ``speed_deadband``), and
+every live step is stored divided by it. Prices are then at the reference speed (that of calibration and the first live
+steps) whatever spell each shape was measured in; every price of one decision shares the unit, so
+decisions do not depend on it. A shape's first live steps have no history to compare with and
+move no index: a shape that runs dearer than calibrated is repriced, not taken for a spell.
+
 Exact shapes first: a (rows, sequences) shape with ``min_measured`` live steps within the last
 ``stale_after`` observations is priced at the median of those where the curve is off that by more
 than its tolerance.
@@ -485,6 +498,9 @@ class CostModel:
         stale_after: int = 256,
         refresh_after: int = 64,
         stall_ratio: float = 2.0,
+        track_speed: bool = True,
+        speed_window: int = 7,
+        speed_deadband: float = 0.1,
     ) -> None:
         self.defer_refits = False
         self._fit_due = False  # refit_every observations since the last fit
@@ -513,6 +529,11 @@ class CostModel:
         self.stale_after = stale_after
         self.refresh_after = refresh_after
         self.stall_ratio = stall_ratio
+        self.track_speed = track_speed
+        self.speed_deadband = speed_deadband
+        # The machine's speed against the reference (see the module doc): > 1 in a slow spell.
+        self.speed_index = 1.0
+        self._speed_ratios: deque[float] = deque(maxlen=speed_window)
         # row count -> newest live steps with that many rows: (seconds, sequences, observation
         # number); dict order is least recently measured first, at most ``max_measured_sizes``
         self._measured: dict[int, deque[tuple[float, int, int]]] = {}
@@ -821,7 +842,29 @@ class CostModel:
         self.refit(search_knee=True)
         self.prior_target, self.prior_draft = self.target, self.draft
 
+    def observe_speed(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """Update ``speed_index`` from one step's measured target seconds (as measured; call it
+        before ``observe_draft`` and ``observe_target`` for the same step, which store their
+        seconds divided by the index)."""
+        if not self.track_speed:
+            return
+        oldest = self.num_observations - self.stale_after
+        kept = [
+            t for t, at in self._measured_shapes.get((num_tokens, num_seqs), ()) if at >= oldest
+        ]
+        if len(kept) < self.min_measured:
+            return  # no history: a first step at a shape is its price, not a spell
+        reference = statistics.median(kept)  # at the reference speed
+        # One stalled step is one vote in the median, however long it stalled.
+        self._speed_ratios.append(min(max(seconds / max(reference, _MIN_TIME), 1 / 3), 3.0))
+        index = statistics.median(self._speed_ratios)
+        # Never under 1: other work on a machine only ever adds time, so steps faster than their
+        # shape's history say the history was slowed (in a spell before the index saw one, which
+        # the curve's fresh-step rules then price afresh), not that the machine outran itself.
+        self.speed_index = index if index > 1.0 + self.speed_deadband else 1.0
+
     def observe_target(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        seconds /= self.speed_index
         self._target_live.append(TargetSample(num_tokens, num_seqs, seconds))
         recent = self._measured.pop(num_tokens, None) or deque(maxlen=self.measured_window)
         recent.append((seconds, num_seqs, self.num_observations))
@@ -839,6 +882,7 @@ class CostModel:
         self._tick()
 
     def observe_draft(self, forwards: Sequence[tuple[int, int]], seconds: float) -> None:
+        seconds /= self.speed_index
         if forwards:
             rows = sum(r for r, _ in forwards)
             seqs = sum(s for _, s in forwards)
@@ -1023,4 +1067,5 @@ class CostModel:
             "draft_knee_rows": d.knee if math.isfinite(d.knee) else 0.0,
             "draft_per_row_above_knee_s": d.per_row_above_knee,
             "num_observations": float(self.num_observations),
+            "speed_index": self.speed_index,
         }
