@@ -17,7 +17,7 @@ every arm does the same work. At concurrency c each arm keeps c requests in flig
 until ``--num-prompts`` have finished. Reported per point and arm: output throughput (tokens/s of
 the arm's own step time) and median / p99 over requests of time per output token (after the first token).
 
-Real pair (slow on a CPU: about an hour for the full sweep on two cores):
+Real pair (slow on a CPU: about 40 minutes for the full sweep on two cores):
 
     python -m evals.bench_controller
 
