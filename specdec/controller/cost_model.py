@@ -62,12 +62,14 @@ runs a few shapes and prices the others from when they last ran, so in a slow sp
 runs looks dearer than shapes last measured in a fast one, and it leaves its best shape for one
 that is not better (at code c=1, four-draft steps measured at 340 ms in a slow spell, 255 before
 it, sent it to three and one drafts priced before the spell, which then ran slow too). So every
-step is also compared with the median of its own shape's kept steps: the median of the last
-``speed_window`` such ratios is the machine's ``speed_index`` (1 within ``speed_deadband``), and
-every live step is stored divided by it. Prices are then at the reference speed (that of calibration and the first live
-steps) whatever spell each shape was measured in; every price of one decision shares the unit, so
-decisions do not depend on it. A shape's first live steps have no history to compare with and
-move no index: a shape that runs dearer than calibrated is repriced, not taken for a spell.
+step is also compared with the median of its own shape's kept steps of the last ``stale_after``
+observations: the median of the last ``speed_window`` such ratios is the machine's
+``speed_index`` (1 unless it is more than ``speed_deadband`` over 1: never under 1, since other
+work only ever adds time), and every live step is stored divided by it. Prices are then at the
+reference speed (that of calibration and the first live steps) whatever spell each shape was
+measured in; every price of one decision shares the unit, so decisions do not depend on it. A
+shape's first live steps have no history to compare with and move no index: a shape that runs
+dearer than calibrated is repriced, not taken for a spell.
 
 Exact shapes first: a (rows, sequences) shape with ``min_measured`` live steps within the last
 ``stale_after`` observations is priced at the median of those where the curve is off that by more
