@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -734,6 +735,17 @@ def test_an_exact_shape_is_priced_at_its_own_steps() -> None:
     assert model.target_time(32, 16) == pytest.approx(true(32, 16), rel=0.03)
 
 
+def smooth_background(true: Callable[[int, int], float], rng: np.random.Generator) -> CostModel:
+    """A model that has seen 300 steps (2% noise) of ten shapes around four plain decodes, all of
+    them on the smooth curve ``true`` follows everywhere but at (4, 4)."""
+    model = CostModel()
+    shapes = [(1, 1), (2, 1), (3, 1), (2, 2), (6, 2), (8, 4), (12, 4), (16, 4), (8, 8), (16, 8)]
+    for i in range(300):
+        n, s = shapes[i % len(shapes)]
+        model.observe_target(n, s, true(n, s) * (1 + 0.02 * rng.standard_normal()))
+    return model
+
+
 def test_a_point_many_steps_measured_a_few_percent_off_the_fit_is_believed() -> None:
     """Four plain decodes run 7% under the smooth curve every other shape follows (the real pair
     at four sequences: 160 ms where the fit said 170-182). Three steps of it are within the
@@ -745,11 +757,7 @@ def test_a_point_many_steps_measured_a_few_percent_off_the_fit_is_believed() -> 
         return (0.12 + 0.008 * s + 0.006 * n) * (0.93 if (n, s) == (4, 4) else 1.0)
 
     rng = np.random.default_rng(5)
-    model = CostModel()
-    shapes = [(1, 1), (2, 1), (3, 1), (2, 2), (6, 2), (8, 4), (12, 4), (16, 4), (8, 8), (16, 8)]
-    for i in range(300):
-        n, s = shapes[i % len(shapes)]
-        model.observe_target(n, s, true(n, s) * (1 + 0.02 * rng.standard_normal()))
+    model = smooth_background(true, rng)
     model.refit(search_knee=True)
     fit = model.target(4, 4)
     assert fit / true(4, 4) - 1 > 0.05  # the smooth form cannot bend to one shape
@@ -777,11 +785,7 @@ def test_a_point_whose_many_steps_agree_closely_is_believed_nearer_the_fit(noise
         return (0.12 + 0.008 * s + 0.006 * n) * (0.955 if (n, s) == (4, 4) else 1.0)
 
     rng = np.random.default_rng(5)
-    model = CostModel()
-    shapes = [(1, 1), (2, 1), (3, 1), (2, 2), (6, 2), (8, 4), (12, 4), (16, 4), (8, 8), (16, 8)]
-    for i in range(300):
-        n, s = shapes[i % len(shapes)]
-        model.observe_target(n, s, true(n, s) * (1 + 0.02 * rng.standard_normal()))
+    model = smooth_background(true, rng)
     for _ in range(model.measured_window):
         model.observe_target(4, 4, true(4, 4) * (1 + noise * rng.standard_normal()))
     model.refit()
