@@ -11,8 +11,8 @@ import pytest
 from engine.sequence import SpecStats
 from evals import bench_controller as bench
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs, round_requests, run_round
+from evals.bench_controller_report import check_targets, merge_results, round_ratios
 from evals.bench_controller_report import main as report_main
-from evals.bench_controller_report import merge_results, round_ratios
 from evals.controller_trace import summarize, wall_time_table
 from specdec.controller_base import StaticController
 
@@ -72,6 +72,48 @@ def test_round_ratios_compare_runs_of_the_same_round_only() -> None:
     arms["fixed-k2"]["throughput_runs"] = [12.0, 10.0]
     assert len(round_ratios(arms)["best"]) == 2
     assert round_ratios({"plain": {"throughput_runs": [1.0]}}) == {"best": [], "plain": []}
+
+
+def _arms(**runs: list[float]) -> dict[str, dict]:
+    """Arms as the report reads them: each round's throughput and the median over rounds."""
+    return {
+        arm.replace("_", "-"): {"throughput_runs": r, "throughput_tok_s": sorted(r)[len(r) // 2]}
+        for arm, r in runs.items()
+    }
+
+
+def test_checks_judge_the_rounds_ratios_and_beside_them_the_arms_medians() -> None:
+    # Adaptive is at or above plain in every round (1.00, 1.00, 1.05), but its median comes from
+    # a slow round and plain's from a fast one: 14/16 = 0.875 on the medians.
+    arms = _arms(plain=[20.0, 16.0, 10.0], fixed_k2=[19.0, 15.0, 9.0], adaptive=[20.0, 16.0, 10.5])
+    arms["adaptive"]["throughput_tok_s"] = 14.0  # a median the rounds do not share
+    assert check_targets("open", 2, arms) == {
+        "within_5pct_of_best": True,
+        "not_3pct_slower_than_plain": True,
+    }
+    assert check_targets("open", 2, arms, paired=False) == {
+        "within_5pct_of_best": False,
+        "not_3pct_slower_than_plain": False,
+    }
+    # Behind in two rounds of three fails, though the medians (10 and 10) tie.
+    arms = _arms(plain=[10.0, 12.0, 8.0], adaptive=[9.5, 11.5, 10.0])
+    assert check_targets("open", 1, arms)["not_3pct_slower_than_plain"] is False
+    assert check_targets("open", 1, arms, paired=False)["not_3pct_slower_than_plain"] is True
+
+
+def test_check_c_compares_with_the_best_fixed_k_of_each_round_at_code_c1_only() -> None:
+    arms = _arms(plain=[5.0, 5.0, 5.0], fixed_k2=[9.0, 12.0, 9.0], fixed_k4=[12.0, 9.0, 9.0],
+                 adaptive=[12.0, 12.0, 8.9])  # fmt: skip
+    assert check_targets("code", 1, arms)["c1_code_at_least_best_fixed"] is True
+    arms["adaptive"]["throughput_runs"] = [12.0, 11.9, 8.9]  # behind in two rounds of three
+    assert check_targets("code", 1, arms)["c1_code_at_least_best_fixed"] is False
+    assert "c1_code_at_least_best_fixed" not in check_targets("code", 2, arms)
+    # An arm that did not run leaves its target unjudged; no adaptive arm, no checks.
+    assert check_targets("open", 1, _arms(fixed_k2=[1.0], adaptive=[1.0])) == {
+        "within_5pct_of_best": True,
+        "not_3pct_slower_than_plain": None,
+    }
+    assert check_targets("open", 1, _arms(plain=[1.0])) == {}
 
 
 class _RecordingEngine:
