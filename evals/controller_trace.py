@@ -58,6 +58,7 @@ class TracingController:
         self._expected: dict[int, list[float]] = {}
         self._ks: list[int] = []
         self._predicted_step: float | None = None
+        self._inputs: dict[str, object] | None = None  # what the adaptive decision weighed
 
     def expect_prefill(self, rows: int, seqs: int) -> None:
         self.inner.expect_prefill(rows, seqs)
@@ -84,6 +85,7 @@ class TracingController:
         self._ks = list(ks)
         own = self.inner is self.model
         self._predicted_step = self.model.predicted_step_time_s if own else None
+        self._inputs = self.model.decision_inputs(seqs) if own and seqs else None
         return ks
 
     def observe(self, obs: StepObservation) -> None:
@@ -121,8 +123,10 @@ class TracingController:
                 ),
                 "committed_tokens": sum(1 + o.num_accepted for o in decodes),
             }
+            if self._inputs is not None:
+                line["decision"] = self._inputs
         self.sink.write(json.dumps(line) + "\n")
-        self._expected = {}
+        self._expected, self._inputs = {}, None
         self.inner.observe(obs)
 
     def stats(self) -> dict:

@@ -301,6 +301,28 @@ def test_a_long_draft_catch_up_must_pay_off_within_a_few_steps() -> None:
     assert controller(0.9, target, draft).choose_k(unread)[0] > 0
 
 
+def test_decision_inputs_show_the_bar_and_each_uniform_k_with_its_catch_up() -> None:
+    """What a trace records beside a decision: a new batch faces the start bar; tokens/s per
+    uniform k at the model's prices (k = 0: one token per plain step), the unread prompt's
+    catch-up charged to every k > 0 and nothing charged where the draft is caught up."""
+    target = flat_target(0.3)
+    draft = DraftCost(per_forward=0.03, per_row=0.005, per_seq=0.0)
+    for unread, ks in ((False, [1]), (True, [0])):
+        ctrl = controller(0.5, target, draft)
+        seqs = make_seqs(1, prompt_len=401)
+        if unread:
+            seqs[0].num_draft_computed_tokens = 0
+        assert [k > 0 for k in ctrl.choose_k(seqs)] == [k > 0 for k in ks]
+        weighed = ctrl.decision_inputs(seqs)
+        assert weighed["bar"] == AdaptiveParams().plain_margin and weighed["realized_gain"] is None
+        plain, one = weighed["goodput_by_k"][:2]
+        assert plain == pytest.approx(1 / 0.3)
+        (catchup,) = weighed["catchup_s"]
+        assert (catchup > 0.1) == unread and catchup >= 0
+        rows = 2 if unread else 1  # the first draft forward: the catch-up's usual two rows, or one
+        assert one == pytest.approx(1.5 / (0.3 + 0.03 + 0.005 * rows + catchup))
+
+
 def test_low_acceptance_gives_k0_high_gives_k_positive() -> None:
     # Draft forward = 30% of a target step: at a = 0.2 a draft token costs more than it yields.
     draft = DraftCost(per_forward=0.003, per_row=0.0, per_seq=0.0)

@@ -243,8 +243,14 @@ def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) 
         assert len(line["draft_forwards"]) == max(line["drafted"])
         if line["draft_forwards"]:
             assert line["predicted_draft_s"] > 0 and line["draft_s"] > 0
-        # Only the adaptive arm's own decision carries a predicted step.
+        # Only the adaptive arm's own decision carries a predicted step, and what it weighed.
         assert (line["predicted_step_s"] is not None) == (line["arm"] == "adaptive")
+        assert ("decision" in line) == (line["arm"] == "adaptive")
+        if "decision" in line:
+            weighed = line["decision"]
+            assert len(weighed["goodput_by_k"]) == 4 + 1 and min(weighed["goodput_by_k"]) > 0
+            assert len(weighed["catchup_s"]) == line["decodes"]
+            assert 0 < weighed["bar"] <= 0.08
     table = trace.with_suffix(".md").read_text()
     assert "| code | 1 | fixed-k4 | 1 | 4 |" in table
     assert "Where the wall time went" in table and "| code | 1 | plain | 1 |" in table

@@ -1194,6 +1194,22 @@ class AdaptiveController:
             **{f"cost_{k}": v for k, v in self.cost.to_dict().items()},
         }
 
+    def decision_inputs(self, seqs: list[Sequence]) -> dict[str, object]:
+        """What the last ``choose_k`` over ``seqs`` weighed, for traces: the bar speculation had
+        to clear over all-plain, the measured gain that may have moved it, and the predicted
+        tokens/s of the batch with every 'auto' sequence at each uniform k (catch-up charges
+        included, at the reference speed). Call it after that ``choose_k`` and before
+        ``observe``: it reads the estimates the decision read."""
+        terms = self._all_terms(seqs, self.acceptance.prior())
+        batch = self._objective(terms, *self._decision_extra)
+        uniform = [batch.assign(batch.clamp([k] * len(terms))) for k in range(self.k_max + 1)]
+        return {
+            "bar": self._bar(len(seqs)),
+            "realized_gain": self.realized.gain(len(seqs), self._num_observed),
+            "goodput_by_k": uniform,
+            "catchup_s": [t.catchup_s for t in terms],
+        }
+
     @property
     def predicted_step_time_s(self) -> float:
         """Predicted seconds of the step the last ``choose_k`` decided (probes included), at the
