@@ -8,7 +8,9 @@ adaptive model, so a trace answers "was the decision wrong, or the prediction, o
 
 - predicted vs measured time per shape shows where the cost model is off (a CPU row count whose
   kernels are slower than the fit says, a draft shape that costs more than its forwards sum to);
-- expected vs committed tokens shows whether acceptance estimates run high where they select;
+- expected vs committed tokens shows whether acceptance estimates run high where they select
+  (the adaptive arm's own per-sequence estimates; another arm's sequences, on an engine of their
+  own, at the model's engine-wide estimate);
 - the same shape measured in two arms at different times shows how much the machine drifted.
 
 Steps without decodes (a prefill alone) get a line too, and every run ends with a ``kind: run``
@@ -75,15 +77,19 @@ class TracingController:
 
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         ks = self.inner.choose_k(seqs)
+        own = self.inner is self.model
         prior = self.model.acceptance.prior()
         # Expected tokens per draft length, read at the length actually drafted: a draft stopped
-        # early by its confidence is judged by what that length was expected to commit.
+        # early by its confidence is judged by what that length was expected to commit. Another
+        # arm's sequences live on another engine whose sequence ids the model's tracker also
+        # uses for its own, so they are priced at its engine-wide estimate.
         self._expected = {
-            s.seq_id: expected_tokens_table(self.model.acceptance.estimate(s.seq_id, prior))
+            s.seq_id: expected_tokens_table(
+                self.model.acceptance.estimate(s.seq_id, prior) if own else prior
+            )
             for s in seqs
         }
         self._ks = list(ks)
-        own = self.inner is self.model
         self._predicted_step = self.model.predicted_step_time_s if own else None
         self._inputs = self.model.decision_inputs(seqs) if own and seqs else None
         return ks

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import random
 import time
 from types import SimpleNamespace
 
@@ -13,8 +15,11 @@ from evals import bench_controller as bench
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs, round_requests, run_round
 from evals.bench_controller_report import check_targets, merge_results, round_ratios
 from evals.bench_controller_report import main as report_main
-from evals.controller_trace import summarize, wall_time_table
-from specdec.controller_base import StaticController
+from evals.controller_sim import make_seqs, verify_step
+from evals.controller_trace import TracingController, summarize, wall_time_table
+from specdec.controller import AcceptanceTracker, AdaptiveController
+from specdec.controller.acceptance import expected_tokens_table
+from specdec.controller_base import StaticController, StepObservation
 
 
 def _run(throughput: float, tpots: list[float], drafted: int, accepted: int) -> ArmResult:
@@ -254,6 +259,32 @@ def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) 
     table = trace.with_suffix(".md").read_text()
     assert "| code | 1 | fixed-k4 | 1 | 4 |" in table
     assert "Where the wall time went" in table and "| code | 1 | plain | 1 |" in table
+
+
+def test_trace_prices_another_arms_sequences_at_the_engine_wide_estimate() -> None:
+    """Sequence ids are per engine: the adaptive model's sequence 0 is not a fixed arm's
+    sequence 0, so the fixed arm's step is expected at the model's prior, its own at its own."""
+    model = AdaptiveController(2, acceptance=AcceptanceTracker(2, initial=0.5))
+    for _ in range(40):
+        model.acceptance.observe(0, 2, 2)  # its sequence 0 accepts everything
+        model.acceptance.observe(1, 2, 0)  # ... its sequence 1 nothing: the prior is between
+    prior, own = model.acceptance.prior(), model.acceptance.estimate(0)
+    assert own[0] > prior[0] + 0.2
+
+    def traced_step(inner) -> dict:
+        sink = io.StringIO()
+        tracer = TracingController(inner, model, sink, {"arm": "x"})
+        seqs = make_seqs(1)  # sequence id 0
+        ks = tracer.choose_k(seqs)
+        outcome = verify_step(seqs[0], ks[0], 1.0, random.Random(0))
+        tracer.observe(StepObservation(0.2, 0.1, 0.1, 1 + ks[0], 1, [(1, 1)] * ks[0], [outcome]))
+        return json.loads(sink.getvalue())
+
+    assert traced_step(StaticController(2))["expected_tokens"] == pytest.approx(
+        expected_tokens_table(prior)[2]
+    )
+    line = traced_step(model)
+    assert line["expected_tokens"] == pytest.approx(expected_tokens_table(own)[line["drafted"][0]])
 
 
 def test_trace_summary_groups_pure_decode_steps_by_shape() -> None:
