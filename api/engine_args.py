@@ -43,7 +43,7 @@ HELP = {
     "num_threads": "torch CPU threads (default: torch's choice)",
     "controller_warmup": "time a few plain and verify steps at start-up to seed the cost model",
     "stop_drafts_early": "let drafting 'auto' sequences draft up to k and stop each where the "
-    "draft's confidence says more forwards do not pay (experimental)",
+    "draft's confidence says more forwards do not pay",
     "enforce_eager": "never capture CUDA graphs (they need CUDA and the FlashInfer backend)",
 }
 

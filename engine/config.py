@@ -27,7 +27,7 @@ class EngineConfig:
     model: str = DEFAULT_TARGET
     draft_model: str | None = DEFAULT_DRAFT
     speculative_method: str = "draft_model"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 6
     speculative_mode: str = "auto"
     ngram_n_min: int = 2
     ngram_n_max: int = 4
@@ -46,7 +46,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     controller_warmup: bool = True
-    stop_drafts_early: bool = False
+    stop_drafts_early: bool = True
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

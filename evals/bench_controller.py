@@ -429,14 +429,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--stop-drafts-early",
-        action="store_true",
-        help="adaptive arm: draft up to k and stop on the draft's confidence (draft_stop)",
+        action=argparse.BooleanOptionalAction,
+        default=EngineConfig.stop_drafts_early,
+        help="adaptive arm: draft up to k and stop on the draft's confidence (draft_stop); "
+        "the engine's default",
     )
     p.add_argument(
         "--adaptive-max-k",
         type=int,
-        default=4,
-        help="adaptive arm: the longest draft it may choose (the fixed arms draft 2 and 4)",
+        default=EngineConfig.num_speculative_tokens,
+        help="adaptive arm: the longest draft it may choose, the engine's default k (the fixed "
+        "arms draft 2 and 4)",
     )
     p.add_argument(
         "--warmup-requests",

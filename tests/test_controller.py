@@ -598,7 +598,9 @@ def test_a_cost_curve_that_flatters_verification_is_corrected_by_measurement() -
             K_MAX,
             cost=CostModel(flat, draft),
             acceptance=AcceptanceTracker(K_MAX, initial=0.8),
-            params=AdaptiveParams(cost_probe_every=cost_probe_every, plain_first=False),
+            params=AdaptiveParams(
+                cost_probe_every=cost_probe_every, plain_first=False, stop_drafts_early=False
+            ),
         )
         seqs = make_seqs(16)
         hist = simulate(ctrl, seqs, lambda s, t: 0.8, true_target, draft, 200, random.Random(0))
@@ -958,6 +960,7 @@ def replay_a_slow_spell(
         4,
         cost=CostModel(target, draft, **cost_params),
         acceptance=AcceptanceTracker(4, initial=0.9),
+        params=AdaptiveParams(stop_drafts_early=False),  # the k the average gives
     )
     ctrl.cost.seed([TargetSample(r, 1, target(r, 1)) for r in range(1, 6)], [])
     rng = random.Random(0)
@@ -1146,7 +1149,7 @@ def test_in_a_slow_spell_the_controller_keeps_the_draft_length_that_pays() -> No
             K_MAX,
             cost=CostModel(target, draft, track_speed=track_speed),
             acceptance=AcceptanceTracker(K_MAX, initial=0.93),
-            params=AdaptiveParams(plain_first=False),
+            params=AdaptiveParams(plain_first=False, stop_drafts_early=False),
         )
         rng = random.Random(3)
         seqs = make_seqs(1)
@@ -1224,7 +1227,10 @@ def test_live_plain_step_is_measured_even_where_calibration_timed_one() -> None:
             acceptance=AcceptanceTracker(K_MAX, initial=0.4),
             # The margin over plain off: this is about what the cost probe measures, alone.
             params=AdaptiveParams(
-                cost_probe_every=cost_probe_every, plain_margin=0.0, plain_first=False
+                cost_probe_every=cost_probe_every,
+                plain_margin=0.0,
+                plain_first=False,
+                stop_drafts_early=False,
             ),
         )
         hist = simulate(ctrl, make_seqs(16), lambda s, t: 0.4, live, draft, 200, random.Random(0))
@@ -1303,7 +1309,7 @@ def test_a_speculating_batch_measures_its_plain_step_afresh(refresh_after: int) 
         K_MAX,
         cost=CostModel(target, draft, refresh_after=refresh_after),
         acceptance=AcceptanceTracker(K_MAX, initial=0.6),
-        params=AdaptiveParams(plain_first=False),
+        params=AdaptiveParams(plain_first=False, stop_drafts_early=False),
     )
     hist = simulate(ctrl, make_seqs(2), lambda s, t: 0.6, target, draft, 400, random.Random(3))
     plain = [i for i, ks in enumerate(hist) if not any(ks)]
@@ -1348,7 +1354,9 @@ def test_a_slow_spells_plain_price_is_measured_again_however_far_ahead_speculati
             K_MAX,
             cost=CostModel(target, draft),
             acceptance=AcceptanceTracker(K_MAX, initial=0.5),
-            params=AdaptiveParams(plain_first=False, measured_loss_raises_keep_bar=False),
+            params=AdaptiveParams(
+                plain_first=False, measured_loss_raises_keep_bar=False, stop_drafts_early=False
+            ),
         )
         seqs = make_seqs(2)
         for slowdown in [1.0] * 3 + [1.8] * 13:  # plain steps, fast and then in a slow spell
@@ -1628,7 +1636,7 @@ def test_adaptive_controller_at_low_acceptance_never_drafts(tiny_pair) -> None:
     engine.controller = AdaptiveController(
         K_MAX,
         acceptance=AcceptanceTracker(K_MAX, initial=0.0),
-        params=AdaptiveParams(probe_every=10**9),
+        params=AdaptiveParams(probe_every=10**9, stop_drafts_early=False),
     )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = engine.generate([[3, 4, 5, 6], [9, 8, 7], [1, 2, 3, 4, 5]], params)

@@ -157,11 +157,11 @@ def test_the_adaptive_controller_learns_confidence_from_the_engine() -> None:
 
 
 def test_with_the_rule_off_no_confidence_is_computed_or_asked_about() -> None:
-    """Off (the default), the engine never asks ``keep_drafting`` and the proposer reports no
-    confidences: the draft's hot path does no work for a rule nobody runs."""
+    """Off, the engine never asks ``keep_drafting`` and the proposer reports no confidences:
+    the draft's hot path does no work for a rule nobody runs."""
     target = tiny_hf_model("qwen2", seed=0)
     draft = tiny_hf_model("qwen2", seed=11, layers=1, hidden=32)
-    engine = make_engine(target, draft, num_speculative_tokens=3)
+    engine = make_engine(target, draft, num_speculative_tokens=3, stop_drafts_early=False)
     ctrl = engine.controller
     assert isinstance(ctrl, AdaptiveController) and not ctrl.stops_drafts_early
     asked, seen = [], []

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.sequence import SpecStats
 from evals import bench_controller as bench
 from evals.bench_controller import ARMS, ArmResult, main, merge_runs, round_requests, run_round
@@ -253,7 +254,8 @@ def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) 
         assert ("decision" in line) == (line["arm"] == "adaptive")
         if "decision" in line:
             weighed = line["decision"]
-            assert len(weighed["goodput_by_k"]) == 4 + 1 and min(weighed["goodput_by_k"]) > 0
+            k_max = EngineConfig.num_speculative_tokens  # the adaptive arm's, by default
+            assert len(weighed["goodput_by_k"]) == k_max + 1 and min(weighed["goodput_by_k"]) > 0
             assert len(weighed["catchup_s"]) == line["decodes"]
             assert 0 < weighed["bar"] <= 0.08
     table = trace.with_suffix(".md").read_text()
