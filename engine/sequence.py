@@ -38,6 +38,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k_max] times position j accepted
     drafted_per_pos: list[int] = field(default_factory=list)  # [k_max] times position j drafted
+    # [k_max] times position j was judged: drafted with every draft before it accepted
+    judged_per_pos: list[int] = field(default_factory=list)
     num_target_steps: int = 0  # target forwards that produced tokens for this request
     num_emitted_tokens: int = 0  # tokens those forwards committed
 
@@ -53,8 +55,11 @@ class SpecStats:
         if need > 0:
             self.drafted_per_pos.extend([0] * need)
             self.accepted_per_pos.extend([0] * need)
+            self.judged_per_pos.extend([0] * need)
         for j in range(num_drafted):
             self.drafted_per_pos[j] += 1
+            if j <= num_accepted:
+                self.judged_per_pos[j] += 1
             if j < num_accepted:
                 self.accepted_per_pos[j] += 1
 
@@ -67,6 +72,7 @@ class SpecStats:
         for mine, theirs in (
             (self.drafted_per_pos, other.drafted_per_pos),
             (self.accepted_per_pos, other.accepted_per_pos),
+            (self.judged_per_pos, other.judged_per_pos),
         ):
             if len(theirs) > len(mine):
                 mine.extend([0] * (len(theirs) - len(mine)))

@@ -1,0 +1,351 @@
+"""Speculation policies: how many drafts each decode-ready sequence verifies this step.
+
+The adaptive policy maximises predicted goodput, the value a step commits per second of step
+time (docs/controller.md states the model as equations)::
+
+    G = (sum_i E_i(k_i) + FIRST_TOKEN_WEIGHT * P) / (T_target + T_draft)
+
+``E_i(k)`` is sequence i's expected committed tokens for k drafts (``estimates``), ``P`` the
+number of sequences whose prompt chunk rides in the step (a longer step delays their first
+token), and the times come from the fitted ``StepCostModel`` for the exact step shape: target
+rows, sequences and attended context; draft forwards including each drafting sequence's
+catch-up on tokens its draft has not seen. Candidates are every draft length k with the n
+sequences of highest ``E_i(k)`` drafting, for n on a grid, and plain decode.
+
+One hysteresis band: the held decision (a draft length and the least ``E_i(k)`` that drafts)
+gives way only to a candidate predicted ``MARGIN`` better, so noise in the estimates cannot flip
+the batch back and forth (each switch back on pays the draft's catch-up). One exploration rule:
+after ``EXPLORE_INTERVAL`` decode steps without running it, the best candidate of another draft
+length (plain included) runs for one step if it is predicted within ``EXPLORE_BAND`` of the held
+decision, so shapes the engine stopped running are measured again and cannot stay mispriced.
+
+Drafting sequences may draft up to ``k_max`` while the draft is sure: the decision carries a
+threshold, and a sequence drafts one more token only while the expected tokens it adds (the chance
+that all its drafts so far hold, from their calibrated confidences, times the next position's
+acceptance) are worth their marginal time at the step's goodput (``keep_drafting``).
+
+Decisions depend only on the measurements given to ``observe`` and the sequences' own counts:
+no clock, no randomness, so a recorded run replays to the same decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+from specdec.controller.estimates import (
+    AcceptanceModel,
+    ConfidenceBins,
+    calibrated,
+    expected_tokens_table,
+)
+from specdec.controller.step_cost import ForwardShape, StepCostModel
+
+MARGIN = 0.03  # a new decision must be predicted 3% better: above the fit's step-to-step noise
+EXPLORE_INTERVAL = 64  # decode steps between re-measurements of the runner-up: <2% of the steps
+EXPLORE_BAND = 0.15  # only runners-up a plausible mispricing (<15%) could make the best are tried
+# A first token is worth this many later tokens: a chat user sees nothing until it arrives, and
+# TTFT targets are commonly set at a few times the TPOT target.
+FIRST_TOKEN_WEIGHT = 4.0
+_COUNT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """The prompt chunks the step carries beside the decodes."""
+
+    rows: int = 0
+    seqs: int = 0
+    attended: int = 0
+
+
+@dataclass(frozen=True)
+class DraftStop:
+    """Plain data for ``keep_drafting``: confidence calibration, per-position acceptance, and the
+    least expected tokens one more draft must add."""
+
+    table: tuple[tuple[float, ...], tuple[float, ...]]
+    rates: tuple[float, ...]
+    min_value: float
+
+
+@dataclass(frozen=True)
+class SpecDecision:
+    ks: list[int]  # per sequence: drafts to verify (an upper bound when ``stop`` is set)
+    stop: DraftStop | None = None
+    predicted_seconds: float = 0.0
+    predicted_goodput: float = 0.0
+
+
+@dataclass
+class SeqOutcome:
+    """What one sequence's verify showed."""
+
+    num_drafted: int
+    num_accepted: int
+    confidences: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepObservation:
+    """One measured engine step."""
+
+    target: ForwardShape
+    target_seconds: float  # the target forward, sampling and the step's host work
+    draft_forwards: list[ForwardShape]
+    draft_seconds: float
+    outcomes: list[SeqOutcome]
+
+
+def keep_drafting(confidences: Seq[float], position: int, stop: DraftStop) -> bool:
+    """Whether a sequence whose drafts so far were drawn with ``confidences`` drafts position
+    ``position`` (0-based) too. Depends only on drafts already drawn, so the output distribution
+    is unchanged: the rejection rule verifies whatever length was drafted."""
+    reach = 1.0
+    for c in confidences:
+        reach *= calibrated(stop.table, c)
+    rate = stop.rates[min(position, len(stop.rates) - 1)]
+    return reach * rate >= stop.min_value
+
+
+class FixedPolicy:
+    """k drafts for every 'on' and 'auto' sequence, none for 'off'."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._last: list[int] = []
+
+    def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
+        self._last = [0 if s.spec_mode == "off" else self.k for s in seqs]
+        return SpecDecision(list(self._last))
+
+    def observe(self, obs: StepObservation) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return _k_stats(self._last)
+
+
+@dataclass
+class _Candidate:
+    k: int  # draft length of the auto sequences that draft (0: plain)
+    min_value: float  # least E_i(k) among them
+    goodput: float
+    seconds: float
+    ks: list[int]
+
+
+class AdaptivePolicy:
+    """Goodput-maximising draft lengths (see the module docstring)."""
+
+    def __init__(
+        self,
+        k_max: int,
+        initial_acceptance: float,
+        cost: StepCostModel | None = None,
+        stop_drafts_early: bool = True,
+        has_draft_model: bool = True,
+    ) -> None:
+        self.k_max = k_max
+        self.acceptance = AcceptanceModel(k_max, initial_acceptance)
+        self.confidence = ConfidenceBins(initial_acceptance)
+        self.cost = cost or StepCostModel()
+        self.stop_drafts_early = stop_drafts_early and has_draft_model
+        # A lookup proposer drafts every position at once for free: no draft forwards to price.
+        self.has_draft_model = has_draft_model
+        self._held: tuple[int, float] = (0, 0.0)
+        self._since_explore = 0
+        self._last: list[int] = []
+        self._last_goodput = 0.0
+
+    # ---- decision ---------------------------------------------------------------------------
+    def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
+        auto = [i for i, s in enumerate(seqs) if s.spec_mode == "auto"]
+        pinned = [self.k_max if s.spec_mode == "on" else 0 for s in seqs]
+        if not auto:
+            self._last = pinned
+            return SpecDecision(pinned)
+        tables = {i: self._expected(s) for i, s in enumerate(seqs) if s.spec_mode != "off"}
+        candidates = self._candidates(seqs, auto, tables, pinned, prefill)
+        held = self._evaluate_held(seqs, auto, tables, pinned, prefill)
+        best = max(candidates, key=lambda c: c.goodput)
+        choice = held
+        decode_only = prefill.seqs == 0
+        if best.goodput > held.goodput * (1.0 + MARGIN):
+            choice = best
+            # A step priced with prompt chunks in it weighs first tokens too: it may choose for
+            # itself, but only a decode-only step moves the held decision.
+            if decode_only:
+                self._held = (best.k, best.min_value)
+        choice = self._maybe_explore(choice, candidates, decode_only)
+        self._last = choice.ks
+        self._last_goodput = choice.goodput
+        stop = None
+        if self.stop_drafts_early and any(choice.ks[i] for i in auto):
+            stop = self._draft_stop(seqs, choice, prefill)
+            choice.ks = [self.k_max if k else 0 for k in choice.ks]
+        return SpecDecision(choice.ks, stop, choice.seconds, choice.goodput)
+
+    def _expected(self, seq: Sequence) -> list[float]:
+        st = seq.spec_stats
+        return expected_tokens_table(
+            self.acceptance.seq_rates(st.accepted_per_pos, st.judged_per_pos)
+        )
+
+    def _step(
+        self, seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape
+    ) -> tuple[float, float]:
+        """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
+        rows, attended, value = prefill.rows, prefill.attended, FIRST_TOKEN_WEIGHT * prefill.seqs
+        drafting: list[tuple[int, int]] = []  # (k, catch-up rows)
+        for s, k in zip(seqs, ks, strict=True):
+            q = 1 + k
+            rows += q
+            attended += q * (s.num_tokens + k)
+            if k:
+                drafting.append((k, _catch_up(s)))
+        seconds = self.cost.target_time(ForwardShape(rows, len(seqs) + prefill.seqs, attended))
+        if drafting and self.has_draft_model:
+            seconds += self.cost.draft_time(_draft_forwards(drafting))
+        return seconds, value
+
+    def _price(self, seqs, ks, prefill, tables, k: int, min_value: float) -> _Candidate:
+        seconds, value = self._step(seqs, ks, prefill)
+        value += sum(tables[i][k] if i in tables else 1.0 for i, k in enumerate(ks))
+        return _Candidate(k, min_value, value / seconds, seconds, list(ks))
+
+    def _candidates(self, seqs, auto, tables, pinned, prefill) -> list[_Candidate]:
+        """Plain, and for every k the n sequences of highest E_i(k) drafting k, for n on a grid.
+
+        Each candidate adds its drafting sequences' rows, attention and value to the pinned
+        step's as running sums, so pricing one costs two cost-model calls, not a pass over the
+        batch."""
+        base_rows, base_att, base_value = prefill.rows, prefill.attended, 0.0
+        base_value += FIRST_TOKEN_WEIGHT * prefill.seqs
+        on_catch_up = []
+        for i, (s, k) in enumerate(zip(seqs, pinned, strict=True)):
+            base_rows += 1 + k
+            base_att += (1 + k) * (s.num_tokens + k)
+            base_value += tables[i][k] if i in tables else 1.0
+            if k:
+                on_catch_up.append(_catch_up(s))
+        num_seqs = len(seqs) + prefill.seqs
+        on_k = self.k_max if on_catch_up else 0
+
+        def price(k: int, n: int, rows: int, att: int, value: float, catch_up: int):
+            seconds = self.cost.target_time(
+                ForwardShape(base_rows + rows, num_seqs, base_att + att)
+            )
+            if (n or on_catch_up) and self.has_draft_model:
+                first = ForwardShape(catch_up + sum(on_catch_up), n + len(on_catch_up))
+                later = [
+                    ForwardShape(*((n if f < k else 0) + len(on_catch_up),) * 2)
+                    for f in range(1, max(k if n else 0, on_k))
+                ]
+                seconds += self.cost.draft_time([first, *later])
+            return seconds, base_value + value
+
+        seconds, value = price(0, 0, 0, 0, 0.0, 0)
+        out = [_Candidate(0, 0.0, value / seconds, seconds, list(pinned))]
+        for k in range(1, self.k_max + 1):
+            order = sorted(auto, key=lambda i: -tables[i][k])
+            counts = set(_counts(len(order)))
+            rows = att = catch_up = 0
+            value = 0.0
+            for n, i in enumerate(order, start=1):
+                ctx = seqs[i].num_tokens
+                rows += k
+                att += (1 + k) * (ctx + k) - ctx
+                value += tables[i][k] - 1.0
+                catch_up += _catch_up(seqs[i])
+                if n in counts:
+                    seconds, total = price(k, n, rows, att, value, catch_up)
+                    ks = list(pinned)
+                    for j in order[:n]:
+                        ks[j] = k
+                    out.append(_Candidate(k, tables[i][k], total / seconds, seconds, ks))
+        return out
+
+    def _evaluate_held(self, seqs, auto, tables, pinned, prefill) -> _Candidate:
+        k, min_value = self._held
+        ks = list(pinned)
+        if k:
+            for i in auto:
+                if tables[i][k] >= min_value:
+                    ks[i] = k
+        return self._price(seqs, ks, prefill, tables, k, min_value)
+
+    def _maybe_explore(
+        self, choice: _Candidate, candidates: list[_Candidate], decode_only: bool
+    ) -> _Candidate:
+        """Run the best candidate of another draft length now and then (module docstring)."""
+        if not decode_only:
+            return choice
+        self._since_explore += 1
+        if self._since_explore < EXPLORE_INTERVAL:
+            return choice
+        others = [c for c in candidates if c.k != choice.k]
+        if not others:
+            return choice
+        runner_up = max(others, key=lambda c: c.goodput)
+        if runner_up.goodput < choice.goodput * (1.0 - EXPLORE_BAND):
+            return choice
+        self._since_explore = 0
+        return runner_up
+
+    def _draft_stop(self, seqs, choice: _Candidate, prefill: PrefillShape) -> DraftStop:
+        """The least expected tokens one more draft position must add to pay its marginal time:
+        one more verify row and a share of one more draft forward, at the step's goodput."""
+        n = sum(1 for k in choice.ks if k)
+        more = [k + 1 if k else 0 for k in choice.ks]
+        longer, _ = self._step(seqs, more, prefill)
+        per_seq = (longer - choice.seconds) / n
+        return DraftStop(
+            self.confidence.table(), tuple(self.acceptance.rates()), choice.goodput * per_seq
+        )
+
+    # ---- feedback ---------------------------------------------------------------------------
+    def observe(self, obs: StepObservation) -> None:
+        for o in obs.outcomes:
+            if o.num_drafted:
+                self.acceptance.observe(o.num_drafted, o.num_accepted)
+                if o.confidences:
+                    self.confidence.observe(o.confidences, o.num_accepted)
+        self.cost.observe(obs.target, obs.target_seconds, obs.draft_forwards, obs.draft_seconds)
+
+    def stats(self) -> dict:
+        return {
+            **_k_stats(self._last),
+            "acceptance_prior": list(self.acceptance.rates()),
+            "predicted_goodput": self._last_goodput,
+            "machine_pace": self.cost.speed,
+        }
+
+
+def _catch_up(seq: Sequence) -> int:
+    """Tokens the draft must read before drafting: at least the newest committed token."""
+    return max(1, seq.num_tokens - seq.num_draft_computed_tokens)
+
+
+def _draft_forwards(drafting: Seq[tuple[int, int]]) -> list[ForwardShape]:
+    """Forward 0 feeds each drafting sequence its catch-up; forward f > 0 one token to each
+    sequence drafting more than f tokens."""
+    forwards = [ForwardShape(sum(c for _, c in drafting), len(drafting))]
+    for f in range(1, max(k for k, _ in drafting)):
+        n = sum(1 for k, _ in drafting if k > f)
+        forwards.append(ForwardShape(n, n))
+    return forwards
+
+
+def _counts(n: int) -> list[int]:
+    """How many of n sequences may draft: every count up to 4, then a geometric grid, and n."""
+    return sorted({c for c in _COUNT_GRID if c < n} | {n})
+
+
+def _k_stats(ks: Seq[int]) -> dict:
+    n = len(ks)
+    return {
+        "mean_k": sum(ks) / n if n else 0.0,
+        "speculating_fraction": sum(k > 0 for k in ks) / n if n else 0.0,
+    }

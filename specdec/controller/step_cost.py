@@ -1,0 +1,242 @@
+"""Step cost: predicted seconds of a target forward and of a step's draft forwards, fitted online.
+
+A forward of ``r`` rows over ``s`` sequences whose rows attend to ``A`` (query, key) pairs in all
+(``A = sum_i q_i * kv_i``) is modelled as::
+
+    t(r, s, A) = speed * (W(r) + c_seq * s + c_attn * A)
+
+``W`` is piecewise linear in ``r`` between knots at powers of two: flat while a forward streams
+the weights once whatever its rows (memory-bound), then rising once the rows' arithmetic
+dominates (compute-bound); no shape is assumed beyond continuity. ``c_seq`` carries per-sequence
+work (sampling, bookkeeping), ``c_attn`` attention over long contexts. A step's draft time is the
+sum of such terms over its draft forwards, so draft steps of any mix fit the same way.
+
+The fit is a weighted least squares over the latest ``COST_WINDOW`` live steps and the start-up
+calibration (weighted ``CALIBRATION_WEIGHT``: bare forwards miss what a live step adds), with a
+penalty on changes of slope between knots, so knots without data are interpolated (and
+extrapolated) linearly from their neighbours. Parameters are clamped non-negative and ``W``
+non-decreasing.
+
+``speed`` is the machine's current pace: the median of the last ``SPEED_WINDOW`` ratios of
+measured to fitted time. The fit stores each step divided by the pace at that moment, so a slow
+spell measured on the shapes the engine ran does not make them look dearer than shapes it did not
+run. A step over ``STALL_RATIO`` times the last measurement of its own shape (a page fault,
+another process) is left out of the fit; it still enters the pace window, where one outlier moves
+no median. A shape never measured is not judged: the fit may be far off there, which is no stall.
+"""
+
+from __future__ import annotations
+
+import statistics
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+COST_WINDOW = 256  # live steps kept for the fit: minutes of serving, every recent shape in it
+CALIBRATION_WEIGHT = 0.25  # a bare forward counts a quarter of a live step where both exist
+SPEED_WINDOW = 9  # steps in the pace median: robust to a few outliers, follows a spell in seconds
+STALL_RATIO = 2.0  # a step over twice its prediction is a stall, not a price
+_SMOOTHNESS = 0.1  # weight of the slope-change penalty against one observation
+_ATTN_SCALE = 1e-6  # attention pairs are counted in millions to keep the system well scaled
+_KNOTS = tuple(2**i for i in range(17))  # 1 .. 65536 rows
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """One forward: rows computed, sequences in it, (query, key) pairs attended."""
+
+    rows: int
+    seqs: int
+    attended: int = 0
+
+
+def _features(shape: ForwardShape) -> np.ndarray:
+    """Linear features of one forward: interpolation weights on the knots, seqs, attention."""
+    x = np.zeros(len(_KNOTS) + 2)
+    r = min(max(shape.rows, 1), _KNOTS[-1])
+    i = min(int(np.searchsorted(_KNOTS, r, side="right")) - 1, len(_KNOTS) - 2)
+    lo, hi = _KNOTS[i], _KNOTS[i + 1]
+    w = (r - lo) / (hi - lo)
+    x[i] += 1.0 - w
+    x[i + 1] += w
+    x[-2] = shape.seqs
+    x[-1] = shape.attended * _ATTN_SCALE
+    return x
+
+
+def features(shapes: Iterable[ForwardShape]) -> np.ndarray:
+    """Features of a sum of forwards (a step's draft forwards, or one target forward)."""
+    total = np.zeros(len(_KNOTS) + 2)
+    for s in shapes:
+        total += _features(s)
+    return total
+
+
+class ForwardCost:
+    """The fitted time of one model's forwards (see the module docstring)."""
+
+    def __init__(self, prior_seconds: float) -> None:
+        # Until something is measured, a forward costs ``prior_seconds`` whatever its rows: a
+        # weak guess that the first observations replace.
+        self._prior = prior_seconds
+        self._live_x: deque[np.ndarray] = deque(maxlen=COST_WINDOW)
+        self._live_y: deque[float] = deque(maxlen=COST_WINDOW)
+        self._cal_x: list[np.ndarray] = []
+        self._cal_y: list[float] = []
+        self._theta = np.zeros(len(_KNOTS) + 2)
+        self._theta[: len(_KNOTS)] = prior_seconds
+        self._knot_values = self._theta[: len(_KNOTS)].tolist()
+        self._c_seq = self._c_attn = 0.0
+        self._dirty = False
+
+    def seed(self, samples: Sequence[tuple[Sequence[ForwardShape], float]]) -> None:
+        """Calibration: (forwards, seconds) measured on bare forwards."""
+        for shapes, seconds in samples:
+            self._cal_x.append(features(shapes))
+            self._cal_y.append(seconds)
+        self._dirty = True
+
+    def add(self, x: np.ndarray, seconds: float) -> None:
+        """A live measurement, already divided by the machine's pace."""
+        self._live_x.append(x)
+        self._live_y.append(seconds)
+        self._dirty = True
+
+    def base(self, x: np.ndarray) -> float:
+        """Seconds at pace 1 for features ``x``."""
+        if self._dirty:
+            self._refit()
+        return float(x @ self._theta)
+
+    def base_of(self, shape: ForwardShape) -> float:
+        """Seconds at pace 1 of one forward: the same value as ``base(features([shape]))``,
+        computed without arrays (the policy prices many shapes a step)."""
+        if self._dirty:
+            self._refit()
+        knots, c_seq, c_attn = self._knot_values, self._c_seq, self._c_attn
+        r = min(max(shape.rows, 1), _KNOTS[-1])
+        i = min(bisect_right(_KNOTS, r) - 1, len(_KNOTS) - 2)
+        w = (r - _KNOTS[i]) / (_KNOTS[i + 1] - _KNOTS[i])
+        return (
+            knots[i] * (1.0 - w)
+            + knots[i + 1] * w
+            + c_seq * shape.seqs
+            + c_attn * shape.attended * _ATTN_SCALE
+        )
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live_y)
+
+    def _refit(self) -> None:
+        self._dirty = False
+        rows = [*self._live_x, *self._cal_x]
+        if not rows:
+            return
+        x = np.stack(rows) @ _MONOTONE  # columns: W(1), the rises between knots, c_seq, c_attn
+        y = np.array([*self._live_y, *self._cal_y])
+        w = np.sqrt([1.0] * len(self._live_y) + [CALIBRATION_WEIGHT] * len(self._cal_y))
+        prior = np.zeros(_NUM_PARAMS)
+        prior[0] = self._prior
+        a = np.vstack([x * w[:, None], _SLOPE_PENALTY, np.diag(_RIDGE)])
+        b = np.concatenate([y * w, np.zeros(len(_SLOPE_PENALTY)), prior * _RIDGE])
+        self._theta = _MONOTONE @ _non_negative_lstsq(a, b)
+        self._knot_values = self._theta[: len(_KNOTS)].tolist()
+        self._c_seq, self._c_attn = float(self._theta[-2]), float(self._theta[-1])
+
+
+def _non_negative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every parameter >= 0: solve, pin the most negative parameter at zero,
+    solve again (an active-set loop; at most one pass per parameter)."""
+    free = np.ones(a.shape[1], dtype=bool)
+    theta = np.zeros(a.shape[1])
+    while free.any():
+        sol = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+        if (sol >= 0).all():
+            theta[free] = sol
+            break
+        idx = np.flatnonzero(free)[np.argmin(sol)]
+        free[idx] = False
+    return theta
+
+
+def _monotone_basis() -> np.ndarray:
+    """Maps (W(1), rise to knot 2, ..., rise to the last knot, c_seq, c_attn) to the knot values
+    and the two coefficients: non-negative rises make W non-decreasing."""
+    n = len(_KNOTS)
+    m = np.zeros((n + 2, n + 2))
+    for i in range(n):
+        m[i, : i + 1] = 1.0
+    m[n, n] = m[n + 1, n + 1] = 1.0
+    return m
+
+
+def _slope_penalty() -> np.ndarray:
+    """Rows penalising the change of slope at each inner knot, scaled by the knot's rows so
+    that a change costs the same relative error at every scale."""
+    n = len(_KNOTS)
+    pen = np.zeros((n - 2, n + 2))
+    for i in range(1, n - 1):
+        # slope left of knot i = rise_i / width_left; right = rise_{i+1} / width_right
+        pen[i - 1, i] = -_KNOTS[i] / (_KNOTS[i] - _KNOTS[i - 1]) * _SMOOTHNESS
+        pen[i - 1, i + 1] = _KNOTS[i] / (_KNOTS[i + 1] - _KNOTS[i]) * _SMOOTHNESS
+    return pen
+
+
+_NUM_PARAMS = len(_KNOTS) + 2
+_MONOTONE = _monotone_basis()
+_SLOPE_PENALTY = _slope_penalty()
+# A faint pull towards the prior keeps directions without data defined; next to none on the
+# rises, so that rows past the data extrapolate along the last measured slope.
+_RIDGE = np.full(_NUM_PARAMS, 1e-6)
+_RIDGE[0] = _RIDGE[-2] = _RIDGE[-1] = 1e-3
+
+
+class StepCostModel:
+    """Target and draft forward costs sharing one measure of the machine's pace."""
+
+    def __init__(self, prior_target_seconds: float = 0.1, prior_draft_seconds: float = 0.03):
+        self.target = ForwardCost(prior_target_seconds)
+        self.draft = ForwardCost(prior_draft_seconds)
+        self._ratios: deque[float] = deque(maxlen=SPEED_WINDOW)
+        self.speed = 1.0
+        # (target rows, sequences, draft rows) -> the step's last measured seconds at pace 1
+        self._last_by_shape: dict[tuple[int, int, int], float] = {}
+
+    def target_time(self, shape: ForwardShape) -> float:
+        return self.speed * self.target.base_of(shape)
+
+    def draft_time(self, forwards: Sequence[ForwardShape]) -> float:
+        return self.speed * sum(self.draft.base_of(f) for f in forwards)
+
+    def observe(
+        self,
+        target: ForwardShape,
+        target_seconds: float,
+        draft_forwards: Sequence[ForwardShape],
+        draft_seconds: float,
+    ) -> None:
+        """One live step: the target forward (with the step's host work) and its draft forwards."""
+        parts = [(self.target, features([target]), target_seconds)]
+        if draft_forwards:
+            parts.append((self.draft, features(draft_forwards), draft_seconds))
+        predicted = sum(cost.base(x) for cost, x, _ in parts)
+        measured = target_seconds + draft_seconds
+        if predicted <= 0.0 or measured <= 0.0:
+            return
+        self._ratios.append(measured / predicted)
+        # Before the fit holds a few live steps, ratios compare against calibration or the
+        # prior and say little about the pace.
+        if self.target.num_live >= SPEED_WINDOW:
+            self.speed = statistics.median(self._ratios)
+        key = (target.rows, target.seqs, sum(f.rows for f in draft_forwards))
+        normalized = measured / self.speed
+        last = self._last_by_shape.get(key)
+        if last is not None and normalized > STALL_RATIO * last:
+            return
+        self._last_by_shape[key] = normalized
+        for cost, x, seconds in parts:
+            cost.add(x, seconds / self.speed)

@@ -1,0 +1,223 @@
+"""The speculation policy's pieces: acceptance estimates, the step cost fit, the goodput choice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from specdec.controller.estimates import (
+    AcceptanceModel,
+    ConfidenceBins,
+    calibrated,
+    expected_tokens_table,
+)
+from specdec.controller.policy import (
+    EXPLORE_INTERVAL,
+    AdaptivePolicy,
+    DraftStop,
+    FixedPolicy,
+    PrefillShape,
+    SeqOutcome,
+    StepObservation,
+    keep_drafting,
+)
+from specdec.controller.step_cost import ForwardShape, StepCostModel
+
+
+def make_seqs(n: int, mode: str = "auto", context: int = 64) -> list[Sequence]:
+    seqs = []
+    for i in range(n):
+        s = Sequence(i, f"r{i}", list(range(context)), SamplingParams(), mode)
+        s.num_computed_tokens = context - 1
+        s.num_draft_computed_tokens = context - 1
+        seqs.append(s)
+    return seqs
+
+
+def test_expected_tokens_table_sums_reach():
+    assert expected_tokens_table([0.5, 0.5]) == [1.0, 1.5, 1.75]
+    assert expected_tokens_table([]) == [1.0]
+
+
+def test_acceptance_model_learns_rates_and_carries_unjudged_positions():
+    model = AcceptanceModel(4, initial=0.5)
+    rng = random.Random(0)
+    for _ in range(2000):  # position 1 holds 90% of the time, position 2 60%; k = 2 only
+        m = 0
+        if rng.random() < 0.9:
+            m = 1 + (rng.random() < 0.6)
+        model.observe(2, m)
+    a = model.rates()
+    assert a[0] == pytest.approx(0.9, abs=0.05)
+    assert a[1] == pytest.approx(0.6, abs=0.08)
+    # Never judged: looks like the deepest measured position, not like the start-up guess.
+    assert a[2] == pytest.approx(a[1], abs=0.01) and a[3] == pytest.approx(a[1], abs=0.01)
+
+
+def test_sequence_estimate_shrinks_towards_engine_wide():
+    model = AcceptanceModel(2, initial=0.8)
+    prior = model.rates()[0]
+    few = model.seq_rates([0, 0], [2, 0])  # two rejections at position 1
+    many = model.seq_rates([0, 0], [200, 0])
+    assert prior > few[0] > many[0]
+    assert many[0] < 0.1  # a long, distinct request follows its own numbers
+    assert few[0] > 0.5  # two unlucky verifies move it little
+
+
+def test_confidence_bins_separate_sure_from_unsure_drafts():
+    bins = ConfidenceBins(initial=0.7)
+    rng = random.Random(1)
+    for _ in range(3000):
+        sure = rng.random() < 0.5
+        conf = 0.97 if sure else 0.3
+        bins.observe([conf], int(rng.random() < (0.98 if sure else 0.4)))
+    table = bins.table()
+    assert calibrated(table, 0.97) == pytest.approx(0.98, abs=0.04)
+    assert calibrated(table, 0.3) == pytest.approx(0.4, abs=0.06)
+
+
+def _machine(rows: int, seqs: int, attended: int = 0) -> float:
+    """Memory-bound up to 16 rows, then linear: the CPU shape of a decoder forward."""
+    return 0.1 + 0.004 * max(0, rows - 16) + 0.001 * seqs + 1e-9 * attended
+
+
+def test_cost_fit_recovers_a_knee_and_interpolates_unmeasured_rows():
+    cost = StepCostModel()
+    measured = [(1, 1), (2, 2), (5, 1), (8, 8), (32, 8), (64, 16), (128, 16)]
+    for _ in range(20):
+        for rows, seqs in measured:
+            cost.observe(ForwardShape(rows, seqs), _machine(rows, seqs), [], 0.0)
+    for rows, seqs in [(4, 4), (12, 4), (48, 12), (96, 16)]:  # never measured
+        assert cost.target_time(ForwardShape(rows, seqs)) == pytest.approx(
+            _machine(rows, seqs), rel=0.08
+        )
+
+
+def test_cost_pace_carries_a_slow_spell_to_unmeasured_shapes_and_ignores_a_stall():
+    cost = StepCostModel()
+    for _ in range(30):
+        for rows in (1, 64):
+            cost.observe(ForwardShape(rows, 1), _machine(rows, 1), [], 0.0)
+    before = cost.target_time(ForwardShape(64, 1))
+    for _ in range(20):  # a 30% slow spell while only plain steps run
+        cost.observe(ForwardShape(1, 1), 1.3 * _machine(1, 1), [], 0.0)
+    assert cost.target_time(ForwardShape(64, 1)) == pytest.approx(1.3 * before, rel=0.05)
+    pace = cost.speed
+    cost.observe(ForwardShape(1, 1), 10 * _machine(1, 1), [], 0.0)  # one stalled step
+    assert cost.speed == pytest.approx(pace, rel=0.02)
+    assert cost.target_time(ForwardShape(1, 1)) == pytest.approx(1.3 * _machine(1, 1), rel=0.05)
+
+
+def _run(policy, seqs, acceptance: float, draft_cost: float, steps: int, rng) -> list[list[int]]:
+    """Steps of a synthetic machine: geometric acceptance, target cost `_machine`, each draft
+    forward ``draft_cost`` seconds."""
+    decisions = []
+    for _ in range(steps):
+        decision = policy.decide(seqs, PrefillShape())
+        decisions.append(decision.ks)
+        outcomes, forwards = [], []
+        for s, k in zip(seqs, decision.ks, strict=True):
+            m = 0
+            while m < k and rng.random() < acceptance:
+                m += 1
+            outcomes.append(SeqOutcome(k, m))
+            s.spec_stats.record(k, m, m + 1)
+        kmax = max(decision.ks)
+        for f in range(kmax):
+            n = sum(1 for k in decision.ks if k > f)
+            forwards.append(ForwardShape(n, n))
+        rows = sum(1 + k for k in decision.ks)
+        policy.observe(
+            StepObservation(
+                ForwardShape(rows, len(seqs)),
+                _machine(rows, len(seqs)),
+                forwards,
+                draft_cost * len(forwards),
+                outcomes,
+            )
+        )
+    return decisions
+
+
+def test_adaptive_speculates_where_it_pays_and_stays_plain_where_it_does_not():
+    rng = random.Random(2)
+    cheap = AdaptivePolicy(6, initial_acceptance=0.7, stop_drafts_early=False)
+    seqs = make_seqs(1)
+    ks = _run(cheap, seqs, acceptance=0.85, draft_cost=0.01, steps=200, rng=rng)
+    assert sum(k[0] >= 3 for k in ks[-50:]) >= 45
+
+    dear = AdaptivePolicy(6, initial_acceptance=0.7, stop_drafts_early=False)
+    seqs = make_seqs(1)
+    ks = _run(dear, seqs, acceptance=0.2, draft_cost=0.08, steps=200, rng=rng)
+    assert sum(k[0] == 0 for k in ks[-50:]) >= 48  # exploration may run the runner-up once
+
+
+def test_adaptive_goes_plain_for_a_large_batch_on_a_compute_bound_machine():
+    rng = random.Random(3)
+    policy = AdaptivePolicy(6, initial_acceptance=0.7, stop_drafts_early=False)
+    seqs = make_seqs(64)
+    ks = _run(policy, seqs, acceptance=0.6, draft_cost=0.05, steps=150, rng=rng)
+    # Apart from at most one exploration step, every sequence decodes plain.
+    assert sum(1 for step in ks[-40:] if any(step)) <= 1
+
+
+def test_pinned_modes_and_fixed_policy():
+    seqs = make_seqs(3)
+    seqs[0].spec_mode, seqs[1].spec_mode = "on", "off"
+    policy = AdaptivePolicy(5, initial_acceptance=0.7)
+    ks = policy.decide(seqs, PrefillShape()).ks
+    assert ks[0] == 5 and ks[1] == 0
+    assert FixedPolicy(3).decide(seqs, PrefillShape()).ks == [3, 0, 3]
+
+
+def test_queued_prefills_push_towards_shorter_steps():
+    def chosen(prefill: PrefillShape) -> int:
+        policy = AdaptivePolicy(6, initial_acceptance=0.6, stop_drafts_early=False)
+        for _ in range(12):
+            for rows in (1, 7, 64, 256):
+                policy.cost.observe(ForwardShape(rows, 1), 0.1 + 0.001 * rows, [], 0.0)
+            policy.cost.observe(ForwardShape(1, 1), 0.1, [ForwardShape(1, 1)], 0.05)
+        return policy.decide(make_seqs(1), prefill).ks[0]
+
+    assert chosen(PrefillShape()) > 0
+    assert chosen(PrefillShape(rows=256, seqs=4, attended=256 * 128)) == 0
+
+
+def test_hysteresis_holds_a_decision_against_small_changes_and_exploration_runs_the_runner_up():
+    rng = random.Random(4)
+    policy = AdaptivePolicy(6, initial_acceptance=0.7, stop_drafts_early=False)
+    seqs = make_seqs(2)
+    ks = _run(policy, seqs, acceptance=0.8, draft_cost=0.02, steps=3 * EXPLORE_INTERVAL, rng=rng)
+    tail = ks[EXPLORE_INTERVAL:]
+    switches = sum(1 for a, b in zip(tail, tail[1:], strict=False) if a != b)
+    # An exploration step switches away and back once per interval; a held decision otherwise
+    # changes at most a couple of times as the estimates settle.
+    assert switches <= 2 * len(tail) // EXPLORE_INTERVAL + 2
+
+
+def test_decisions_are_a_function_of_their_inputs():
+    def trace(seed: int) -> list[list[int]]:
+        policy = AdaptivePolicy(6, initial_acceptance=0.7)
+        return _run(policy, make_seqs(4), 0.7, 0.03, 100, random.Random(seed))
+
+    assert trace(5) == trace(5)
+
+
+def test_keep_drafting_follows_calibrated_reach():
+    table = ((0.5,), (0.3, 0.95))  # below 0.5: 30% accepted; above: 95%
+    stop = DraftStop(table, (0.8, 0.8, 0.8), min_value=0.5)
+    assert keep_drafting([0.9, 0.9], 2, stop)  # 0.95^2 * 0.8 = 0.72
+    assert not keep_drafting([0.9, 0.2], 2, stop)  # 0.95 * 0.3 * 0.8 = 0.23
+
+
+def test_adaptive_draft_stop_lets_sure_drafts_run_to_k_max():
+    policy = AdaptivePolicy(6, initial_acceptance=0.7)
+    rng = random.Random(6)
+    seqs = make_seqs(1)
+    _run(policy, seqs, acceptance=0.85, draft_cost=0.01, steps=60, rng=rng)
+    decision = policy.decide(seqs, PrefillShape())
+    assert decision.ks == [6] and decision.stop is not None
+    assert keep_drafting([0.99] * 3, 3, decision.stop)
