@@ -1,0 +1,307 @@
+"""The machine's step-cost table: bare target and draft forwards timed by shape, cached per machine.
+
+Plain decodes (one row per sequence) and uniform verifies (1 + k rows per sequence) are timed at
+batch sizes 1, 2, 4, ... up to ``max_num_seqs``, fewest rows first while the time budget lasts,
+plus decodes over a long context (so the fit can tell attention from weights) and, for a draft
+model, its 1- and 2-row forwards and two catch-ups. Each shape runs on temporary sequences whose
+blocks come from the allocator and go back to it (the free count returns to where it started);
+the keys before the timed rows are whatever the pool holds: the numbers are timings, never text.
+
+A table is keyed by what sets the timings (processor or GPU model, dtype, threads, the model
+pair, the shapes asked for) and cached under ``$SPECDEC_HOME/calibration/``, so a restart on the
+same machine reads it instead of spending the budget again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_allocator import BlockAllocator
+from engine.model_runner import ModelRunner, RunEntry
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.weights.cache import specdec_home
+from specdec.controller.step_cost import ForwardShape, StepCostModel
+
+logger = logging.getLogger(__name__)
+
+SHORT_CONTEXT = 32  # keys each temporary sequence attends over in most shapes
+LONG_CONTEXT = 1024  # the long-context shapes: attention's share of a step shows here
+MIN_SHAPES = 3  # measured whatever the budget says: one plain, one verify, one more
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CostSample:
+    model: str  # "target" or "draft"
+    rows: int
+    seqs: int
+    attended: int
+    seconds: float
+
+
+@dataclass
+class CostTable:
+    machine: dict
+    samples: list[CostSample] = field(default_factory=list)
+    seconds: float = 0.0  # time the measurement took
+
+    def seed(self, cost: StepCostModel) -> None:
+        """Give the samples to a cost model as its calibration."""
+        for model, forward_cost in (("target", cost.target), ("draft", cost.draft)):
+            forward_cost.seed(
+                [
+                    ([ForwardShape(s.rows, s.seqs, s.attended)], s.seconds)
+                    for s in self.samples
+                    if s.model == model
+                ]
+            )
+
+    def to_json(self) -> dict:
+        return {
+            "version": FORMAT_VERSION,
+            "machine": self.machine,
+            "seconds": self.seconds,
+            "samples": [asdict(s) for s in self.samples],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostTable:
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"cost table format {data.get('version')!r} is not {FORMAT_VERSION}")
+        return cls(data["machine"], [CostSample(**s) for s in data["samples"]], data["seconds"])
+
+
+def machine_description(device: torch.device, dtype: torch.dtype, models: list[str]) -> dict:
+    """What sets a forward's time besides its shape."""
+    if device.type == "cuda":
+        processor = torch.cuda.get_device_name(device)
+    else:
+        processor = _cpu_model() or platform.processor() or platform.machine()
+    return {
+        "processor": processor,
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "models": models,
+    }
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """What to measure: the batch sizes up to ``max_num_seqs``, verifies up to ``k_max`` drafts,
+    no forward over ``max_rows`` rows nor context over ``max_context`` tokens, within
+    ``budget_seconds``."""
+
+    max_num_seqs: int
+    k_max: int
+    max_rows: int
+    max_context: int = LONG_CONTEXT + 1
+    budget_seconds: float = 30.0
+    repeats: int = 2
+
+
+def cached_or_measured(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    allocator: BlockAllocator,
+    spec: CalibrationSpec,
+    machine: dict,
+    cache_dir: Path | None = None,
+) -> CostTable:
+    """The cached table for this machine and spec, or a fresh measurement stored for next time."""
+    key = hashlib.sha256(
+        json.dumps({"machine": machine, "spec": asdict(spec)}, sort_keys=True).encode()
+    ).hexdigest()[:24]
+    path = (cache_dir or specdec_home() / "calibration") / f"{key}.json"
+    if path.is_file():
+        try:
+            table = CostTable.from_json(json.loads(path.read_text()))
+            logger.info("step-cost table read from %s", path)
+            return table
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            logger.warning("ignoring unreadable step-cost table %s: %s", path, exc)
+    table = measure(target, draft, allocator, spec, machine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1))
+    tmp.replace(path)
+    return table
+
+
+def measure(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    allocator: BlockAllocator,
+    spec: CalibrationSpec,
+    machine: dict,
+) -> CostTable:
+    """Time bare forwards of every shape in the module docstring, within the budget."""
+    start = time.perf_counter()
+    table = CostTable(machine)
+    free_before = allocator.num_free_blocks
+    vocab = target.vocab_size
+    with _TempSeqs(allocator, 1, 1, SHORT_CONTEXT, vocab) as warm:
+        if warm.fits:  # first forwards pay one-off allocations: keep them out of the samples
+            target.run(warm.entries(1))
+            if draft is not None:
+                draft.run(warm.entries(1))
+
+    def timed(runner: ModelRunner, name: str, seqs: int, rows: int, context: int, logits: int):
+        with _TempSeqs(allocator, seqs, rows, context, vocab) as tmp:
+            if not tmp.fits:
+                return None
+            seconds = _fastest(runner, tmp.entries(logits), spec.repeats)
+            attended = seqs * rows * (tmp.context + rows)
+            table.samples.append(CostSample(name, seqs * rows, seqs, attended, seconds))
+            return seconds
+
+    sizes = _batch_sizes(spec.max_num_seqs)
+    target_shapes = _verify_shapes(sizes, spec.k_max, spec.max_rows)
+    # Long-context decodes at the smallest and largest batch: attention against weights.
+    long_context = min(LONG_CONTEXT, spec.max_context - 1)
+    target_shapes += [(1, 1, long_context), (sizes[-1], 1, long_context)]
+    budget_target = spec.budget_seconds * (0.7 if draft is not None else 1.0)
+    _run_in_budget(
+        target_shapes,
+        start,
+        budget_target,
+        lambda s, r, c: timed(target, "target", s, r, c, r),
+    )
+    if draft is not None:
+        # Draft forwards of 1-2 rows per sequence, and two catch-ups of one sequence: a draft
+        # reading a prompt is compute-bound, its rows several times a decode row's price.
+        draft_shapes = sorted({(s, r, SHORT_CONTEXT) for s in sizes for r in (1, 2)})
+        draft_shapes += [(1, 16, SHORT_CONTEXT), (1, 64, SHORT_CONTEXT)]
+        _run_in_budget(
+            draft_shapes,
+            start,
+            spec.budget_seconds,
+            lambda s, r, c: timed(draft, "draft", s, r, c, 1),
+        )
+    if allocator.num_free_blocks != free_before:
+        raise AssertionError("calibration leaked KV blocks")  # a bug, never expected
+    table.seconds = time.perf_counter() - start
+    logger.info("step-cost table: %d shapes timed in %.1f s", len(table.samples), table.seconds)
+    return table
+
+
+def _batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes, s = [], 1
+    while s < max_num_seqs:
+        sizes.append(s)
+        s *= 2
+    return [*sizes, max_num_seqs]
+
+
+def _verify_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[tuple[int, int, int]]:
+    """(sequences, rows each, context) for every row count a uniform k in 0..k_max gives at
+    these batch sizes, fewest rows first; where several share a row count, the most sequences
+    (the plain step when there is one, which every speculating choice is weighed against)."""
+    by_rows: dict[int, tuple[int, int]] = {}
+    for s in sizes:
+        for r in range(1, k_max + 2):
+            n = s * r
+            if n <= max_rows and s > by_rows.get(n, (0, 0))[0]:
+                by_rows[n] = (s, r)
+    return [(*by_rows[n], SHORT_CONTEXT) for n in sorted(by_rows)]
+
+
+def _run_in_budget(
+    shapes: list[tuple[int, int, int]],
+    start: float,
+    deadline: float,
+    measure_one: Callable[[int, int, int], float | None],
+) -> None:
+    """Measure shapes in order until the next one would overrun the budget (after
+    ``MIN_SHAPES``), predicting its time from the last one's by rows."""
+    last_rows, last_time, done = 0, 0.0, 0
+    for s, r, c in shapes:
+        rows = s * r
+        predicted = last_time * max(1.0, rows / last_rows) if last_rows else 0.0
+        if done >= MIN_SHAPES and time.perf_counter() - start + predicted > deadline:
+            break
+        t = measure_one(s, r, c)
+        if t is not None:
+            last_rows, last_time, done = rows, t, done + 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fastest(runner: ModelRunner, entries: list[RunEntry], repeats: int) -> float:
+    """Fastest of ``repeats`` forwards: other work on a machine only ever adds time, and what a
+    live step adds to a bare forward the live fit learns."""
+    times = []
+    for _ in range(repeats):
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.run(entries)
+        _sync(runner.device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+class _TempSeqs:
+    """Temporary sequences holding blocks for ``context + rows`` slots each; freed on exit."""
+
+    def __init__(
+        self, allocator: BlockAllocator, num_seqs: int, rows: int, context: int, vocab: int
+    ) -> None:
+        self.allocator = allocator
+        self.seqs: list[Sequence] = []
+        self.context = context
+        per_seq = allocator.blocks_needed(context + rows)
+        if per_seq * num_seqs > allocator.num_free_blocks:
+            self.context = 0  # a small pool: drop the context before giving up on the shape
+            per_seq = allocator.blocks_needed(rows)
+        self.fits = per_seq * num_seqs <= allocator.num_free_blocks
+        self.num_seqs, self.rows, self.vocab = num_seqs, rows, vocab
+
+    def __enter__(self) -> _TempSeqs:
+        if not self.fits:
+            return self
+        for i in range(self.num_seqs):
+            prompt = [(7 * i + j) % self.vocab for j in range(max(1, self.context))]
+            seq = Sequence(-1 - i, f"calibration-{i}", prompt, SamplingParams(), "off")
+            self.allocator.allocate(seq, self.context + self.rows)
+            self.seqs.append(seq)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for seq in self.seqs:
+            self.allocator.free(seq)
+        self.seqs.clear()
+
+    def entries(self, num_logits: int) -> list[RunEntry]:
+        return [
+            RunEntry(
+                s,
+                [(s.seq_id * -3 + r) % self.vocab for r in range(self.rows)],
+                self.context,
+                num_logits,
+            )
+            for s in self.seqs
+        ]

@@ -1,0 +1,68 @@
+"""The machine's step-cost table: measured on runners, cached per machine, seeding the cost fit."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from tiny_models import make_engine, noisy_copy, tiny_hf_model
+
+from specdec.controller.cost_table import (
+    CalibrationSpec,
+    CostTable,
+    cached_or_measured,
+    machine_description,
+    measure,
+)
+from specdec.controller.step_cost import ForwardShape, StepCostModel
+
+
+def _engine():
+    target = tiny_hf_model(seed=0)
+    return make_engine(target, noisy_copy(target, 0.05))
+
+
+def test_measure_times_target_and_draft_shapes_and_frees_every_block():
+    engine = _engine()
+    free = engine.allocator.num_free_blocks
+    spec = CalibrationSpec(4, k_max=3, max_rows=64, max_context=256, budget_seconds=5.0, repeats=1)
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
+    table = measure(engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+    assert engine.allocator.num_free_blocks == free
+    target = [s for s in table.samples if s.model == "target"]
+    draft = [s for s in table.samples if s.model == "draft"]
+    assert {(s.rows, s.seqs) for s in target} >= {(1, 1), (4, 4), (3, 1)}  # plain and verify
+    assert any(s.seqs == 1 and s.attended > 200 for s in target)  # a long-context decode
+    assert {(s.rows, s.seqs) for s in draft} >= {(1, 1), (16, 1)}
+    assert all(s.seconds > 0 for s in table.samples)
+    cost = StepCostModel()
+    table.seed(cost)
+    assert cost.target_time(ForwardShape(1, 1)) > 0 and cost.draft_time([ForwardShape(1, 1)]) > 0
+
+
+def test_table_is_cached_per_machine_and_spec(tmp_path):
+    engine = _engine()
+    spec = CalibrationSpec(max_num_seqs=2, k_max=2, max_rows=16, budget_seconds=2.0, repeats=1)
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
+    args = (engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+    first = cached_or_measured(*args, cache_dir=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    second = cached_or_measured(*args, cache_dir=tmp_path)
+    assert second.to_json() == first.to_json()  # read back, not measured again
+    other = dict(machine, threads=machine["threads"] + 1)
+    cached_or_measured(*args[:4], other, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2  # another machine key, another entry
+
+
+def test_an_unreadable_cache_entry_is_measured_afresh(tmp_path):
+    engine = _engine()
+    spec = CalibrationSpec(max_num_seqs=1, k_max=1, max_rows=8, budget_seconds=1.0, repeats=1)
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t"])
+    args = (engine.target_runner, None, engine.allocator, spec, machine)
+    cached_or_measured(*args, cache_dir=tmp_path)
+    path = next(tmp_path.glob("*.json"))
+    path.write_text("{not json")
+    table = cached_or_measured(*args, cache_dir=tmp_path)
+    assert table.samples and json.loads(path.read_text())["version"] == 1
+    assert CostTable.from_json(json.loads(path.read_text())).samples == table.samples
