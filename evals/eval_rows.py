@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sequence import SpecStats
+from evals.runs import ConfigRuns, PromptRun
 from evals.step_timer import StepTotals
 
 if TYPE_CHECKING:
     from evals.greedy_check import Mismatch
-    from evals.offline import ConfigRuns, PromptRun
 
 ALL = "all"
 

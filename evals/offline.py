@@ -14,14 +14,14 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.errors import PromptTooLongError
 from engine.sampling_params import SamplingParams
-from engine.sequence import SpecStats
 from evals.datasets import Prompt, limit_per_category, prompt_token_ids
 from evals.eval_rows import BaselineRow, EvalReport, plain_rows, spec_rows
 from evals.greedy_check import compare_greedy
+from evals.runs import ConfigRuns, PromptRun
 from evals.step_timer import StepTimer, StepTotals
 
 logger = logging.getLogger(__name__)
@@ -47,31 +47,6 @@ class EvalSettings:
 class EncodedPrompt:
     prompt: Prompt
     token_ids: list[int]
-
-
-@dataclass
-class PromptRun:
-    """One request's result: output, wall time from submission to finish, acceptance counters.
-
-    ``cpu_seconds`` is this process's CPU time over the same span (all threads): on a shared
-    machine other jobs inflate wall time much more than this, so it backs up the wall-time speedup.
-    """
-
-    prompt_id: str
-    category: str
-    output_token_ids: list[int]
-    seconds: float
-    ttft: float | None
-    spec_stats: SpecStats = field(default_factory=SpecStats)
-    cpu_seconds: float = 0.0
-
-
-@dataclass
-class ConfigRuns:
-    """Everything one engine configuration produced at one temperature, per category."""
-
-    runs: dict[str, list[PromptRun]] = field(default_factory=dict)
-    steps: dict[str, StepTotals] = field(default_factory=dict)
 
 
 class BaselineRunner:

@@ -25,7 +25,7 @@ the tensor-core decode path is built on the same FA2 module, so one JIT-compiled
 wins. The model dtype is passed as ``q_data_type`` (FlashInfer's default is float16).
 
 `flashinfer` is imported only when a backend is built or `self_test` runs, so this module imports
-on machines without it and registers itself with the registry either way.
+on machines without it; the registry imports it only when this backend is asked for.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any, TypedDict
 
 import torch
 
-from engine.attention import registry
 from engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -283,9 +282,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_last_page_len_buf=last_page_len,
             backend=self.prefill_kernel,
         )
-
-
-registry.register_backend("flashinfer", FlashInferAttentionBackend)
 
 
 # ---- start-up self-test ---------------------------------------------------------------------

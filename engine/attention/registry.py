@@ -1,21 +1,27 @@
-"""Name -> backend class. FlashInfer registers itself only when it imports."""
+"""Name -> lazy factory of a backend class: a backend's module (and its kernels' package) is
+imported only when that backend is asked for, and no backend module imports the registry."""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
 
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+def _lazy(module: str, name: str) -> Callable[[], type[AttentionBackend]]:
+    return lambda: getattr(importlib.import_module(module), name)
 
 
-def register_backend(name: str, cls: type[AttentionBackend]) -> None:
-    _BACKENDS[name] = cls
+_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
+    "torch": _lazy("engine.attention.torch_backend", "TorchAttentionBackend"),
+    "flashinfer": _lazy("engine.attention.flashinfer_backend", "FlashInferAttentionBackend"),
+}
 
 
 def available_backends() -> list[str]:
@@ -33,12 +39,8 @@ def create_backend(
 
             if flashinfer_usable(device):
                 name = "flashinfer"
-    if name not in _BACKENDS and name == "flashinfer":
-        from engine.attention.selection import flashinfer_usable
-
-        flashinfer_usable(device)
     if name not in _BACKENDS:
         raise ValueError(
             f"attention backend {name!r} is not available here: {available_backends()}"
         )
-    return _BACKENDS[name](num_heads, num_kv_heads, head_dim, device)
+    return _BACKENDS[name]()(num_heads, num_kv_heads, head_dim, device)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from engine.models.layers import RMSNorm, RotaryEmbedding
+
 logger = logging.getLogger(__name__)
 
 PROBE_TOLERANCE = 2e-2  # relative L2 error; bf16 rounding lands near 4e-3
@@ -83,8 +85,6 @@ def probe_fused_ops(device: torch.device, dtype: torch.dtype) -> FusedOps | None
 
 def _compare_with_torch(ops: FusedOps, device: torch.device, dtype: torch.dtype) -> float:
     """Largest relative error of the fused kernels against the torch layers on random inputs."""
-    from engine.models.layers import RMSNorm, RotaryEmbedding
-
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:

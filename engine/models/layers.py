@@ -1,21 +1,34 @@
 """Building blocks shared by the model families: linear, RMSNorm, rotary embedding, SwiGLU.
 
 RMSNorm, RotaryEmbedding and SwiGLU hold an ``ops`` slot: None runs the torch code below (the
-reference, and the CPU path); a `engine.models.fused_ops.FusedOps` runs FlashInfer's fused kernels
-instead (`DecoderLM.use_fused_ops`).
+reference, and the CPU path); an `ElementwiseOps` (`engine.models.fused_ops.FusedOps`, FlashInfer's
+fused kernels) runs instead (`DecoderLM.use_fused_ops`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from engine.models.fused_ops import FusedOps
+
+class ElementwiseOps(Protocol):
+    """The fused kernels a layer may hand its element-wise work to."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rope_(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> None: ...
 
 
 def _onednn_available() -> bool:
@@ -69,7 +82,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        self.ops: FusedOps | None = None
+        self.ops: ElementwiseOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         if self.ops is not None:
@@ -129,7 +142,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.float())  # [max_positions, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.ops: FusedOps | None = None
+        self.ops: ElementwiseOps | None = None
         self._cos_sin: torch.Tensor | None = None
 
     def cos_sin_cache(self) -> torch.Tensor:  # [max_positions, D] float32
@@ -165,7 +178,7 @@ class SwiGLU(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.ops: FusedOps | None = None
+        self.ops: ElementwiseOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
