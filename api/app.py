@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner
 from api.errors import APIError, install_error_handlers
 from api.metrics import ServerMetrics
-from api.middleware import BodySizeLimitMiddleware
+from api.middleware import BodySizeLimitMiddleware, UnhandledErrorMiddleware
 from api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -93,6 +93,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(
         BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
     )
+    # Added last, so it wraps the other middleware too.
+    app.add_middleware(UnhandledErrorMiddleware, on_error=metrics.rejected)
 
     @app.post(
         "/v1/chat/completions",

@@ -2,12 +2,12 @@
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status:
 request validation (FastAPI's 422 becomes a 400 naming the parameter), engine errors (their own
-status), unknown routes and methods, and, as a last resort, unexpected exceptions (500).
+status), unknown routes and methods. Unexpected exceptions (500) are answered by
+api.middleware.UnhandledErrorMiddleware.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,8 +19,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import QueueFullError
 from engine.errors import SpecdecError
-
-logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -140,19 +138,16 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
+        if on_error is not None:
+            on_error(exc.status_code)
         return JSONResponse(
             error_body(message, kind),
             status_code=exc.status_code,
             headers=dict(exc.headers or {}),
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body(f"internal server error: {type(exc).__name__}", "internal_error"),
-            status_code=500,
-        )
+    # Unexpected exceptions are answered by api.middleware.UnhandledErrorMiddleware, which
+    # (unlike an exception handler for Exception) keeps the connection open.
 
 
 def openapi_error_schema() -> dict[str, Any]:

@@ -1,13 +1,53 @@
-"""ASGI middleware that refuses request bodies over a size limit with a 413 before parsing."""
+"""ASGI middleware: a body size limit (413 before parsing) and the last-resort 500 answer."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_body
+
+logger = logging.getLogger(__name__)
+
+
+class UnhandledErrorMiddleware:
+    """Answers an exception no handler took with an OpenAI-style 500, counted in the metrics.
+
+    Starlette's own last resort sends its 500 and then re-raises, and uvicorn closes the
+    connection of an exception that reaches it; answering here instead keeps a keep-alive
+    connection usable. An exception after the response started (a broken stream) cannot be
+    answered: it is logged, counted and re-raised so the server ends that response.
+    """
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[int], None] | None = None) -> None:
+        self.app = app
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if self.on_error is not None:
+                self.on_error(500)
+            if started:
+                raise
+            message = f"internal server error: {type(exc).__name__}"
+            await _reply(send, 500, message, type="internal_error", keep_alive=True)
 
 
 class BodySizeLimitMiddleware:
@@ -78,17 +118,21 @@ class BodySizeLimitMiddleware:
         )
 
 
-async def _reply(send: Send, status: int, message: str, code: str | None = None) -> None:
-    payload = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
+async def _reply(
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None = None,
+    type: str = "invalid_request_error",
+    keep_alive: bool = False,
+) -> None:
+    """Send an error body; ``keep_alive=False`` closes the connection (its body is unread)."""
+    payload = json.dumps(error_body(message, type, None, code)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    if not keep_alive:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})

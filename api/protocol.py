@@ -9,9 +9,11 @@ the schema and refused with a 400 that says so (see api.serving.check_unsupporte
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from engine.tokenizer import unicode_error
 
 SpeculativeMode = Literal["auto", "on", "off"]
 
@@ -20,6 +22,18 @@ _SPECULATIVE_DOC = (
     "step, 'on' always drafts k tokens, 'off' is plain decode. Overrides the "
     "X-Specdec-Speculative header and the server's A/B split."
 )
+
+
+def _valid_unicode(text: str) -> str:
+    problem = unicode_error(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
+# A string that is valid Unicode: JSON can carry lone surrogates (``"\\ud800"``), which no
+# tokenizer or UTF-8 encoder accepts, so they are refused as the request is parsed.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class RequestModel(BaseModel):
@@ -33,7 +47,7 @@ class StreamOptions(RequestModel):
 
 class TextContentPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -43,14 +57,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
 
 class SamplingFields(RequestModel):
     """Parameters shared by chat and text completions."""
 
-    model: str | None = Field(None, description="served model name (default: the only one)")
+    model: Text | None = Field(None, description="served model name (default: the only one)")
     max_tokens: int | None = Field(None, ge=1, description="default: up to max_model_len")
     temperature: float | None = Field(None, ge=0, description="0 is greedy (default 1)")
     top_p: float | None = Field(None, gt=0, le=1)
@@ -60,14 +74,14 @@ class SamplingFields(RequestModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     n: int | None = Field(None, description="only 1 is supported")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
     speculative: SpeculativeMode | None = Field(None, description=_SPECULATIVE_DOC)
 
 
@@ -86,13 +100,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: Text | list[int] | list[Text] | list[list[int]] = Field(
         description="a string or a list of token ids (a one-element batch of either is accepted)"
     )
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 # ---- responses ----------------------------------------------------------------------------------

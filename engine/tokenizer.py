@@ -68,8 +68,15 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------- encode/decode
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. where the model uses them."""
+    def encode(
+        self, text: str, add_special_tokens: bool = False, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. where the model uses them.
+
+        Text that is not valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escape can
+        carry) raises InvalidRequestError naming ``param``.
+        """
+        check_text(text, param)
         return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -124,7 +131,32 @@ class Tokenizer:
         without adding special tokens again.
         """
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, param="messages")
+
+
+def unicode_error(text: str) -> str | None:
+    """Why ``text`` cannot be encoded as UTF-8 (it holds a lone surrogate), or None if it can.
+
+    Python strings decoded from JSON may hold surrogates U+D800..U+DFFF on their own (the escape
+    ``\\ud800`` without its pair); they are not characters, and tokenizers refuse them.
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"text must be valid Unicode: it holds a lone surrogate "
+            f"U+{ord(text[exc.start]):04X} at index {exc.start}"
+        )
+    return None
+
+
+def check_text(text: str, param: str) -> None:
+    """Raise InvalidRequestError naming ``param`` if ``text`` is not valid Unicode."""
+    problem = unicode_error(text)
+    if problem is not None:
+        raise InvalidRequestError(problem, param=param)
 
 
 def validate_chat_messages(messages: Any) -> list[dict[str, Any]]:

@@ -15,7 +15,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -192,3 +195,26 @@ def sse_events(lines) -> list[dict | str]:
             data = line[len("data:") :].strip()
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+@contextmanager
+def run_uvicorn(app, **config) -> Iterator[str]:
+    """Serve an ASGI ``app`` with uvicorn on a free port in a thread; yields its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

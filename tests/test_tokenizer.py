@@ -218,3 +218,13 @@ def test_saved_chat_template_survives_reload(model_dir: Path) -> None:
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert "chat_template" in config or (model_dir / "chat_template.jinja").is_file()
     assert Tokenizer.from_dir(model_dir).has_chat_template
+
+
+def test_lone_surrogates_are_invalid_requests(tok: Tokenizer) -> None:
+    with pytest.raises(InvalidRequestError, match="surrogate U\\+D800 at index 1") as info:
+        tok.encode("x\ud800")
+    assert info.value.param == "prompt"
+    # Chat prompts are checked after rendering: whatever the template wrote is covered.
+    with pytest.raises(InvalidRequestError, match="surrogate") as info:
+        tok.apply_chat_template([{"role": "user", "content": "a\udfffb"}])
+    assert info.value.param == "messages"
