@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from engine.sampling_params import BOUNDS
 from engine.tokenizer import unicode_error
 
 SpeculativeMode = Literal["auto", "on", "off"]
@@ -34,6 +35,15 @@ def _valid_unicode(text: str) -> str:
 # A string that is valid Unicode: JSON can carry lone surrogates (``"\\ud800"``), which no
 # tokenizer or UTF-8 encoder accepts, so they are refused as the request is parsed.
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _bounded(name: str, description: str | None = None) -> Any:
+    """An optional field whose range the schema states from engine.sampling_params.BOUNDS.
+
+    The range is checked once, by SamplingParams, whose error the API answers as a 400 naming the
+    parameter; the schema only describes it, from the same table, so the two cannot disagree.
+    """
+    return Field(None, description=description, json_schema_extra=BOUNDS[name].json_schema())
 
 
 class RequestModel(BaseModel):
@@ -65,15 +75,15 @@ class SamplingFields(RequestModel):
     """Parameters shared by chat and text completions."""
 
     model: Text | None = Field(None, description="served model name (default: the only one)")
-    max_tokens: int | None = Field(None, ge=1, description="default: up to max_model_len")
-    temperature: float | None = Field(None, ge=0, description="0 is greedy (default 1)")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables")
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    max_tokens: int | None = _bounded("max_tokens", "default: up to max_model_len")
+    temperature: float | None = _bounded("temperature", "0 is greedy (default 1)")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k", "-1 or 0 disables")
+    min_p: float | None = _bounded("min_p")
+    presence_penalty: float | None = _bounded("presence_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    repetition_penalty: float | None = _bounded("repetition_penalty", "1 is off")
+    seed: int | None = _bounded("seed")
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -87,7 +97,7 @@ class SamplingFields(RequestModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    max_completion_tokens: int | None = _bounded("max_tokens", "wins over max_tokens")
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

@@ -6,6 +6,8 @@ connection that stays open.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from helpers_server import (
@@ -125,3 +127,45 @@ def test_unexpected_exception_is_a_counted_500_that_keeps_the_connection():
         assert again.status_code == 200 and again.text == "ok"
         assert local_address(again) == local_address(r)
     assert counted == [500]
+
+
+# ---- 4, 8. sampling parameter ranges; error messages -------------------------------------------
+
+OUT_OF_RANGE = [
+    ("repetition_penalty", 1e-38),
+    ("repetition_penalty", 2.5),
+    ("temperature", 2.5),
+    ("top_k", 2**70),
+    ("seed", 2**64),
+    ("top_p", 0),
+    ("min_p", -0.5),
+    ("frequency_penalty", -3),
+    ("max_tokens", 0),
+    ("max_completion_tokens", 0),
+    ("stop", ["", "x"]),
+    ("stop", [str(i) for i in range(20)]),
+    ("stop_token_ids", [-4]),
+    ("stop_token_ids", [2**80]),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), OUT_OF_RANGE)
+def test_out_of_range_parameters_get_400(server, http, name, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, name: value}
+    error = assert_openai_error(http.post(CHAT, json=body), 400)
+    param = "max_tokens" if name == "max_completion_tokens" else name
+    assert error["param"] == param
+    message = error["message"]
+    # No doubled word ("stop stop strings must be ...").
+    assert not re.search(r"\b([a-z_]+)\s+\1\b", message), message
+    if name != "max_completion_tokens":
+        assert message.count(name) == 1, message
+
+
+def test_accepted_extremes_generate(server, http):
+    for extreme in ({"repetition_penalty": 0.01}, {"repetition_penalty": 2, "temperature": 2}):
+        body = {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "seed": 3, **extreme}
+        r = http.post(TEXT, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+    server.wait_idle()
