@@ -14,9 +14,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.json_text import JSONText
 from engine.async_engine import QueueFullError
 from engine.errors import SpecdecError
 
@@ -56,8 +56,8 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def response(self) -> JSONText:
+        return JSONText(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def error_body(
@@ -113,25 +113,25 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
     """Answer every error OpenAI-style; ``on_error(status)`` is told of each refused request."""
 
-    def answer(exc: APIError) -> JSONResponse:
+    def answer(exc: APIError) -> JSONText:
         if on_error is not None:
             on_error(exc.status_code)
         return exc.response()
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONText:
         return answer(exc)
 
     @app.exception_handler(SpecdecError)
-    async def _engine_error(request: Request, exc: SpecdecError) -> JSONResponse:
+    async def _engine_error(request: Request, exc: SpecdecError) -> JSONText:
         return answer(APIError.from_engine(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONText:
         return answer(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONText:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
         if exc.status_code == 404:
@@ -140,7 +140,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
             message = f"method {request.method} is not allowed on {request.url.path}"
         if on_error is not None:
             on_error(exc.status_code)
-        return JSONResponse(
+        return JSONText(
             error_body(message, kind),
             status_code=exc.status_code,
             headers=dict(exc.headers or {}),

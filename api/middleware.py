@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_body
+from api.json_text import dumps
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ async def _reply(
     keep_alive: bool = False,
 ) -> None:
     """Send an error body; ``keep_alive=False`` closes the connection (its body is unread)."""
-    payload = json.dumps(error_body(message, type, None, code)).encode()
+    payload = dumps(error_body(message, type, None, code)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),

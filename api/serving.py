@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 
 from api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner, Assignment
 from api.errors import APIError
-from api.formatting import ChatFormatter, CompletionFormatter, ResponseInfo, dumps
+from api.formatting import ChatFormatter, CompletionFormatter, ResponseInfo
+from api.json_text import JSONText, dumps
 from api.metrics import RequestTracker, ServerMetrics
 from api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from api.settings import ServerSettings
@@ -264,7 +265,7 @@ class OpenAIServing:
         final = await self._collect(prep, stream, tracker, request)
         if final is None:  # the client is gone; nobody will read this
             return Response(status_code=499)
-        return JSONResponse(formatter.response(final), headers=headers)
+        return JSONText(formatter.response(final), headers=headers)
 
     def _deadline(self, prep: Prepared) -> float | None:
         timeout = self.settings.request_timeout_s

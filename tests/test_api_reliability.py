@@ -6,6 +6,8 @@ connection that stays open.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 
 import httpx
@@ -15,21 +17,27 @@ from helpers_server import (
     build_script_model,
     metric_value,
     run_uvicorn,
+    script_text,
     start_servers,
 )
 
+from api.json_text import dumps
 from api.middleware import UnhandledErrorMiddleware
+from evals.datasets import Prompt
+from evals.sse_client import RequestSpec, send_request
 
 MODEL = "script"
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
 REJECTED = "specdec:request_rejected_total"
+# The script this module's model says: line-breaking characters that JSON may carry raw.
+SEPARATED = "A\u2028B\x85"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("api_reliability")
-    build_script_model(root / MODEL)
+    build_script_model(root / MODEL, text=SEPARATED)
     srv = ServerProcess(root / MODEL, None, [], root / "server.log")
     start_servers(srv)
     yield srv
@@ -169,3 +177,82 @@ def test_accepted_extremes_generate(server, http):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
     server.wait_idle()
+
+
+# ---- 3. line-breaking characters in JSON -------------------------------------------------------
+
+LINE_BREAKS = "\u2028\u2029\x85"
+PROMPT = Prompt(id="p", category="test", text="hi")
+
+
+def test_dumps_escapes_line_breaks_and_keeps_the_value():
+    payload = {"text": f"a{LINE_BREAKS}b\n\r\x0b\x1c", "é中": ["\u2028"]}
+    text = dumps(payload)
+    assert text.splitlines() == [text]
+    assert json.loads(text) == payload
+    assert "é中" in text  # other characters stay raw UTF-8
+
+
+@pytest.mark.parametrize("path", [CHAT, TEXT])
+def test_streamed_line_breaks_survive_a_line_splitting_client(server, path, http):
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+    if path == CHAT:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi\n"  # the script follows a newline
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        raw = r.read().decode("utf-8")
+    assert "\u2028" not in raw and "\x85" not in raw
+    text = ""
+    for line in raw.splitlines():
+        if line.startswith("data:") and line != "data: [DONE]":
+            chunk = json.loads(line[len("data:") :])
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    assert text == script_text(12, SEPARATED)
+    # Not streamed: the body has no raw separators either.
+    r = http.post(path, json={**body, "stream": False})
+    assert r.status_code == 200 and "\u2028" not in r.text and "\x85" not in r.text
+    assert r.text.splitlines() == [r.text]
+    server.wait_idle()
+
+
+def test_error_bodies_escape_line_breaks(http):
+    # An unknown field's name is echoed in the message.
+    name = f"x{LINE_BREAKS}y"
+    r = http.post(TEXT, json={"prompt": "hi", name: 1})
+    error = assert_openai_error(r, 400)
+    assert name in error["message"]
+    assert r.text.splitlines() == [r.text]
+
+
+def test_bench_client_reads_raw_line_breaks():
+    """The bench client splits SSE lines as SSE does, even from a server that writes raw
+    U+2028 and friends inside its JSON."""
+    events = [
+        {"choices": [{"delta": {"content": f"a{LINE_BREAKS}b"}}]},
+        {"choices": [{"delta": {"content": "c"}}]},
+        {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 1}},
+    ]
+    raw = (
+        "".join("data: " + json.dumps(e, ensure_ascii=False) + "\r\n\r\n" for e in events)
+        + "data: [DONE]\r\n\r\n"
+    )
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        data = raw.encode()
+        for i in range(0, len(data), 7):  # chunks that split characters and CRLFs
+            await send({"type": "http.response.body", "body": data[i : i + 7], "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await send_request(client, RequestSpec(model="m"), PROMPT)
+
+    record = asyncio.run(run())
+    assert record.error is None, record.error
+    assert record.output_tokens == 2 and len(record.chunk_times) == 2
