@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import BOUNDS
 from engine.tokenizer import unicode_error
@@ -60,15 +60,31 @@ class TextContentPart(RequestModel):
     text: Text
 
 
+# Only an assistant message (one that carries tool calls) may leave out its content; the schema
+# says so with this rule, the model validator below enforces it.
+_CONTENT_RULE = {
+    "anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    ]
+}
+
+
 class ChatMessage(BaseModel):
     """One chat message. Extra keys (tool_calls, tool_call_id, ...) pass through to the
-    model's chat template."""
+    model's chat template. Content may be missing or null only for the assistant."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_CONTENT_RULE)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
 
 
 class SamplingFields(RequestModel):
@@ -110,8 +126,14 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[int] | list[Text] | list[list[int]] = Field(
-        description="a string or a list of token ids (a one-element batch of either is accepted)"
+    prompt: (
+        Annotated[Text, Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(
+        description="a non-empty string or list of token ids (a one-element batch of either is "
+        "accepted)"
     )
     logprobs: int | None = None
     echo: bool | None = None

@@ -256,3 +256,40 @@ def test_bench_client_reads_raw_line_breaks():
     record = asyncio.run(run())
     assert record.error is None, record.error
     assert record.output_tokens == 2 and len(record.chunk_times) == 2
+
+
+# ---- 6. the OpenAPI schema describes what the validator accepts --------------------------------
+
+# (request model, body, accepted by the server's validator): the schema must agree on each.
+SCHEMA_CASES = [
+    ("CompletionRequest", {"prompt": ""}, False),
+    ("CompletionRequest", {"prompt": []}, False),
+    ("CompletionRequest", {"prompt": [""]}, False),
+    ("CompletionRequest", {"prompt": [[]]}, False),
+    ("CompletionRequest", {"prompt": "hi"}, True),
+    ("CompletionRequest", {"prompt": [[5, 6]]}, True),
+    ("CompletionRequest", {"prompt": "hi", "temperature": 2.5}, False),
+    ("CompletionRequest", {"prompt": "hi", "repetition_penalty": 1e-38}, False),
+    ("CompletionRequest", {"prompt": "hi", "top_p": 0}, False),
+    ("CompletionRequest", {"prompt": "hi", "top_k": -1, "seed": 2**64 - 1}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "tool"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "tool", "content": None}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "tool", "content": "42"}]}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "a"},
+                                            {"role": "assistant"}]}, True),
+]  # fmt: skip
+
+
+def test_openapi_schema_agrees_with_the_validator(server, http):
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    document = http.get("/openapi.json").json()
+    components = document["components"]
+    paths = {"CompletionRequest": TEXT, "ChatCompletionRequest": CHAT}
+    for name, body, accepted in SCHEMA_CASES:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": components}
+        valid = jsonschema_rs.validator_for(schema).is_valid(body)
+        assert valid == accepted, (name, body)
+        r = http.post(paths[name], json={**body, "max_tokens": 1})
+        assert (r.status_code == 200) == accepted, (body, r.text)
+    server.wait_idle()
