@@ -81,6 +81,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         _log_ready(engine, settings)
         yield
         await asyncio.to_thread(engine.stop)
+        if serving.prompts is not None:
+            serving.prompts.shutdown()
 
     app = FastAPI(
         title="specdec",

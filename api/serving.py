@@ -1,8 +1,8 @@
 """The request path of /v1/chat/completions and /v1/completions.
 
 Order of work for one request, every refusal happening before the engine sees it:
-model name -> unsupported options -> sampling params (every range) -> prompt token ids (off the
-event loop) -> length checks -> A/B arm -> submit to the engine loop (which validates again and may answer 429 or
+model name -> unsupported options -> sampling params (every range) -> prompt length bound and
+token ids (api.tokenization: bounded pools off the event loop) -> length checks -> A/B arm -> submit to the engine loop (which validates again and may answer 429 or
 503) -> stream or collect the outputs. A client that disconnects, or a request that outlives the
 request timeout, is aborted so its KV blocks return to the pool.
 """
@@ -26,6 +26,7 @@ from api.json_text import JSONText, dumps
 from api.metrics import RequestTracker, ServerMetrics
 from api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from api.settings import ServerSettings
+from api.tokenization import PromptTokenizer
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.errors import InvalidRequestError, SpecdecError
 from engine.sampling_params import SamplingParams
@@ -149,14 +150,22 @@ class OpenAIServing:
         self.assigner = assigner
         self.max_model_len = engine.engine.max_model_len
         self.max_tokens_limit = settings.max_tokens_limit
-        self.tokenizer: Tokenizer | None = engine.engine.tokenizer
+        tokenizer: Tokenizer | None = engine.engine.tokenizer
+        self.prompts: PromptTokenizer | None = None
+        if tokenizer is not None:
+            tokenizer.max_chars_per_token  # noqa: B018 - computed once, at start-up
+            self.prompts = PromptTokenizer(
+                tokenizer,
+                self.max_model_len,
+                special_tokens_in_content=settings.allow_special_tokens_in_content,
+            )
 
     # ---- endpoints --------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         model = self._check_model(body.model)
         check_unsupported(body)
-        if self.tokenizer is None:
+        if self.prompts is None:
             raise InvalidRequestError(
                 "this model has no tokenizer, so chat messages cannot be encoded; use "
                 "/v1/completions with token ids",
@@ -169,7 +178,7 @@ class OpenAIServing:
             message = m.model_dump(mode="python", exclude_unset=True)
             message.setdefault("content", None)
             messages.append(message)
-        prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+        prompt_ids = await self.prompts.encode_chat(messages)
         prep = self._prepare(body, request, prompt_ids, params, arrival, model, "chatcmpl")
         return await self._generate(prep, request, ChatFormatter(prep.info))
 
@@ -180,11 +189,11 @@ class OpenAIServing:
         params = build_sampling_params(body, body.max_tokens, self.max_tokens_limit)
         prompt = completion_prompt(body.prompt)
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if self.prompts is None:
                 raise InvalidRequestError(
                     "this model has no tokenizer: pass the prompt as token ids", param="prompt"
                 )
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+            prompt_ids = await self.prompts.encode_prompt(prompt)
         else:
             prompt_ids = list(prompt)
         prep = self._prepare(body, request, prompt_ids, params, arrival, model, "cmpl")

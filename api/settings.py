@@ -21,6 +21,9 @@ class ServerSettings:
     ``max_queue_len``: requests allowed to wait beyond the free batch slots before 429.
     ``max_tokens_limit``: the largest ``max_tokens`` a request may ask for (None: max_model_len).
     ``request_timeout_s``: a request still running after this long is aborted.
+    ``allow_special_tokens_in_content``: parse special-token text (``<|im_start|>``) inside chat
+    message content as control tokens; by default it is plain text, so a message cannot forge
+    the template's turns. For clients trusted to write the model's control tokens.
     """
 
     served_model_names: tuple[str, ...]
@@ -32,6 +35,7 @@ class ServerSettings:
     max_tokens_limit: int | None = None
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:

@@ -65,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body accepted; larger ones get 413 (default: %(default)s)",
     )
+    server.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="parse special-token text (such as <|im_start|>) inside chat message content as "
+        "control tokens, for trusted clients; by default it is plain text (completion prompts "
+        "are always parsed)",
+    )
     add_engine_arguments(parser)
 
 
@@ -84,6 +91,7 @@ def settings_from_args(args: argparse.Namespace, config: EngineConfig) -> Server
         max_tokens_limit=args.max_tokens_limit,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
     if settings.ab_split is not None and not config.speculation_enabled:
         raise ConfigError("--ab-split needs speculation: set --speculative-method")
