@@ -41,6 +41,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for status, what in (
         (400, "invalid request (bad JSON, wrong type, out of range, prompt too long)"),
         (404, "unknown model"),
+        (408, "request body not received within --body-timeout"),
         (413, "request body over --max-body-bytes"),
         (429, "queue full (see the Retry-After header)"),
         (503, "engine not ready, engine loop stopped, or request timed out"),
@@ -95,7 +96,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.engine = engine
     install_error_handlers(app, on_error=metrics.rejected)
     app.add_middleware(
-        BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
+        BodySizeLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        on_reject=metrics.rejected,
+        timeout_s=settings.body_timeout_s,
     )
     # Added last, so it wraps the other middleware too.
     app.add_middleware(UnhandledErrorMiddleware, on_error=metrics.rejected)

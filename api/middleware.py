@@ -1,7 +1,8 @@
-"""ASGI middleware: a body size limit (413 before parsing) and the last-resort 500 answer."""
+"""ASGI middleware: body size and time limits (413, 408 before parsing), the last-resort 500."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -54,16 +55,23 @@ class BodySizeLimitMiddleware:
     """Reads the body up front (at most ``max_bytes``) and replays it to the app.
 
     A declared ``Content-Length`` over the limit is refused without reading; a chunked body is
-    refused as soon as it grows past the limit. Reading first also means a handler never starts
-    work on a body that turns out too large.
+    refused as soon as it grows past the limit. A body whose next chunk takes longer than
+    ``timeout_s`` to arrive (a client that declares 100 bytes and sends one) gets a 408 and the
+    connection is closed. Reading first also means a handler never starts work on a body that
+    turns out too large or never arrives.
     """
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None] | None = None
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        on_reject: Callable[[int], None] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,7 +92,18 @@ class BodySizeLimitMiddleware:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                if self.on_reject is not None:
+                    self.on_reject(408)
+                await _reply(
+                    send,
+                    408,
+                    f"the request body did not arrive within {self.timeout_s} s",
+                    code="request_timeout",
+                )
+                return
             if message["type"] == "http.disconnect":
                 return  # the client left before finishing its body: nothing to answer
             body = message.get("body", b"")

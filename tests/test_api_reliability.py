@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import time
 
 import httpx
 import pytest
@@ -34,13 +36,14 @@ TEXT = "/v1/completions"
 REJECTED = "specdec:request_rejected_total"
 # The script this module's model says: line-breaking characters that JSON may carry raw.
 SEPARATED = "A\u2028B\x85"
+TIMEOUTS = ["--header-timeout", "1", "--body-timeout", "1"]
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("api_reliability")
     build_script_model(root / MODEL, text=SEPARATED)
-    srv = ServerProcess(root / MODEL, None, [], root / "server.log")
+    srv = ServerProcess(root / MODEL, None, TIMEOUTS, root / "server.log")
     trusted = ServerProcess(
         root / MODEL, None, ["--allow-special-tokens-in-content"], root / "trusted.log"
     )
@@ -353,3 +356,65 @@ def test_trusted_server_parses_special_token_text_in_content(trusted):
     assert r.status_code == 200, r.text
     parsed = tok.apply_chat_template(messages, special_tokens_in_content=True)
     assert r.json()["usage"]["prompt_tokens"] == len(parsed)
+
+
+# ---- 7. slow clients ---------------------------------------------------------------------------
+
+
+def read_until_closed(sock: socket.socket, limit_s: float = 10.0) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long that took."""
+    start = time.monotonic()
+    sock.settimeout(limit_s)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            raise AssertionError(f"connection still open after {limit_s} s: {data!r}") from None
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data, time.monotonic() - start
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\ncontent-type: application/json\r\n"
+
+
+@pytest.mark.parametrize(
+    ("sent", "status"),
+    [
+        (HEAD + b"content-length: 100\r\n\r\n{", b"408"),  # one byte of a declared 100
+        (HEAD, b"408"),  # headers never finished
+        (b"", None),  # connected, sent nothing
+    ],
+)
+def test_slow_clients_are_timed_out(server, sent, status):
+    before = metric_value(server.metrics(), REJECTED, status="408")
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(sent)
+        data, took = read_until_closed(sock)
+    assert took < 5
+    if status is None:
+        assert data == b""
+    else:
+        assert data.startswith(b"HTTP/1.1 " + status), data
+        assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    if sent.endswith(b"{"):  # the body limit is the app's: counted
+        assert metric_value(server.metrics(), REJECTED, status="408") == before + 1
+
+
+def test_a_slow_but_steady_body_is_not_cut_off(server):
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(HEAD)
+        time.sleep(0.5)
+        sock.sendall(b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+        for i in range(0, len(body), len(body) // 3 + 1):
+            time.sleep(0.5)  # under the 1 s limit per chunk, over it in all
+            sock.sendall(body[i : i + len(body) // 3 + 1])
+        sock.settimeout(30)
+        response = sock.recv(65536)
+    assert response.startswith(b"HTTP/1.1 200"), response
+    server.wait_idle()
