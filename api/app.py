@@ -11,12 +11,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner
 from api.errors import APIError, install_error_handlers
+from api.json_text import JSONText
 from api.metrics import ServerMetrics
-from api.middleware import BodySizeLimitMiddleware
+from api.middleware import BodySizeLimitMiddleware, UnhandledErrorMiddleware
 from api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -40,6 +41,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for status, what in (
         (400, "invalid request (bad JSON, wrong type, out of range, prompt too long)"),
         (404, "unknown model"),
+        (408, "request body not received within --body-timeout"),
         (413, "request body over --max-body-bytes"),
         (429, "queue full (see the Retry-After header)"),
         (503, "engine not ready, engine loop stopped, or request timed out"),
@@ -80,24 +82,32 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         _log_ready(engine, settings)
         yield
         await asyncio.to_thread(engine.stop)
+        if serving.prompts is not None:
+            serving.prompts.shutdown()
 
     app = FastAPI(
         title="specdec",
         summary="OpenAI-compatible server with speculative decoding",
         version="0.1.0",
         lifespan=lifespan,
+        default_response_class=JSONText,
     )
     app.state.metrics = metrics
     app.state.engine = engine
     install_error_handlers(app, on_error=metrics.rejected)
     app.add_middleware(
-        BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
+        BodySizeLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        on_reject=metrics.rejected,
+        timeout_s=settings.body_timeout_s,
     )
+    # Added last, so it wraps the other middleware too.
+    app.add_middleware(UnhandledErrorMiddleware, on_error=metrics.rejected)
 
     @app.post(
         "/v1/chat/completions",
         responses=_stream_doc(ChatCompletionResponse),
-        response_class=JSONResponse,
+        response_class=JSONText,
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion (OpenAI format). Speculation per request: body field `speculative`
@@ -105,9 +115,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         _check_ready(engine)
         return await serving.chat(body, request)
 
-    @app.post(
-        "/v1/completions", responses=_stream_doc(CompletionResponse), response_class=JSONResponse
-    )
+    @app.post("/v1/completions", responses=_stream_doc(CompletionResponse), response_class=JSONText)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion (OpenAI format) of a string or token-id prompt."""
         _check_ready(engine)
@@ -143,10 +151,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         response_model=HealthResponse,
         responses={503: {"model": HealthResponse, "description": "engine loop not running"}},
     )
-    async def health() -> JSONResponse:
+    async def health() -> JSONText:
         """200 while the engine loop runs with the model loaded, 503 otherwise."""
         body = _health(engine, settings)
-        return JSONResponse(body.model_dump(mode="json"), status_code=200 if body.ready else 503)
+        return JSONText(body.model_dump(mode="json"), status_code=200 if body.ready else 503)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus_metrics() -> Response:

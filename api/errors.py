@@ -2,25 +2,23 @@
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status:
 request validation (FastAPI's 422 becomes a 400 naming the parameter), engine errors (their own
-status), unknown routes and methods, and, as a last resort, unexpected exceptions (500).
+status), unknown routes and methods. Unexpected exceptions (500) are answered by
+api.middleware.UnhandledErrorMiddleware.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.json_text import JSONText
 from engine.async_engine import QueueFullError
 from engine.errors import SpecdecError
-
-logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -58,8 +56,8 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def response(self) -> JSONText:
+        return JSONText(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def error_body(
@@ -115,44 +113,41 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
     """Answer every error OpenAI-style; ``on_error(status)`` is told of each refused request."""
 
-    def answer(exc: APIError) -> JSONResponse:
+    def answer(exc: APIError) -> JSONText:
         if on_error is not None:
             on_error(exc.status_code)
         return exc.response()
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONText:
         return answer(exc)
 
     @app.exception_handler(SpecdecError)
-    async def _engine_error(request: Request, exc: SpecdecError) -> JSONResponse:
+    async def _engine_error(request: Request, exc: SpecdecError) -> JSONText:
         return answer(APIError.from_engine(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONText:
         return answer(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONText:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
-        return JSONResponse(
+        if on_error is not None:
+            on_error(exc.status_code)
+        return JSONText(
             error_body(message, kind),
             status_code=exc.status_code,
             headers=dict(exc.headers or {}),
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body(f"internal server error: {type(exc).__name__}", "internal_error"),
-            status_code=500,
-        )
+    # Unexpected exceptions are answered by api.middleware.UnhandledErrorMiddleware, which
+    # (unlike an exception handler for Exception) keeps the connection open.
 
 
 def openapi_error_schema() -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +47,6 @@ def make_usage(info: ResponseInfo, out: RequestOutput) -> Usage:
             mean_accepted_length=s.mean_accepted_length,
         ),
     )
-
-
-def dumps(payload: dict[str, Any]) -> str:
-    """Compact JSON for one SSE ``data:`` line (json never emits a raw newline)."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
 class ChatFormatter:

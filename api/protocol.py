@@ -9,9 +9,12 @@ the schema and refused with a 400 that says so (see api.serving.check_unsupporte
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from engine.sampling_params import BOUNDS
+from engine.tokenizer import unicode_error
 
 SpeculativeMode = Literal["auto", "on", "off"]
 
@@ -20,6 +23,27 @@ _SPECULATIVE_DOC = (
     "step, 'on' always drafts k tokens, 'off' is plain decode. Overrides the "
     "X-Specdec-Speculative header and the server's A/B split."
 )
+
+
+def _valid_unicode(text: str) -> str:
+    problem = unicode_error(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
+# A string that is valid Unicode: JSON can carry lone surrogates (``"\\ud800"``), which no
+# tokenizer or UTF-8 encoder accepts, so they are refused as the request is parsed.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _bounded(name: str, description: str | None = None) -> Any:
+    """An optional field whose range the schema states from engine.sampling_params.BOUNDS.
+
+    The range is checked once, by SamplingParams, whose error the API answers as a 400 naming the
+    parameter; the schema only describes it, from the same table, so the two cannot disagree.
+    """
+    return Field(None, description=description, json_schema_extra=BOUNDS[name].json_schema())
 
 
 class RequestModel(BaseModel):
@@ -33,47 +57,63 @@ class StreamOptions(RequestModel):
 
 class TextContentPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+# Only an assistant message (one that carries tool calls) may leave out its content; the schema
+# says so with this rule, the model validator below enforces it.
+_CONTENT_RULE = {
+    "anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    ]
+}
 
 
 class ChatMessage(BaseModel):
     """One chat message. Extra keys (tool_calls, tool_call_id, ...) pass through to the
-    model's chat template."""
+    model's chat template. Content may be missing or null only for the assistant."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_CONTENT_RULE)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
 
 
 class SamplingFields(RequestModel):
     """Parameters shared by chat and text completions."""
 
-    model: str | None = Field(None, description="served model name (default: the only one)")
-    max_tokens: int | None = Field(None, ge=1, description="default: up to max_model_len")
-    temperature: float | None = Field(None, ge=0, description="0 is greedy (default 1)")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables")
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
+    model: Text | None = Field(None, description="served model name (default: the only one)")
+    max_tokens: int | None = _bounded("max_tokens", "default: up to max_model_len")
+    temperature: float | None = _bounded("temperature", "0 is greedy (default 1)")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k", "-1 or 0 disables")
+    min_p: float | None = _bounded("min_p")
+    presence_penalty: float | None = _bounded("presence_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    repetition_penalty: float | None = _bounded("repetition_penalty", "1 is off")
+    seed: int | None = _bounded("seed")
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     n: int | None = Field(None, description="only 1 is supported")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
     speculative: SpeculativeMode | None = Field(None, description=_SPECULATIVE_DOC)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    max_completion_tokens: int | None = _bounded("max_tokens", "wins over max_tokens")
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -86,13 +126,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="a string or a list of token ids (a one-element batch of either is accepted)"
+    prompt: (
+        Annotated[Text, Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(
+        description="a non-empty string or list of token ids (a one-element batch of either is "
+        "accepted)"
     )
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 # ---- responses ----------------------------------------------------------------------------------

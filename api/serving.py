@@ -1,8 +1,8 @@
 """The request path of /v1/chat/completions and /v1/completions.
 
 Order of work for one request, every refusal happening before the engine sees it:
-model name -> unsupported options -> prompt token ids (off the event loop) -> sampling params and
-length checks -> A/B arm -> submit to the engine loop (which validates again and may answer 429 or
+model name -> unsupported options -> sampling params (every range) -> prompt length bound and
+token ids (api.tokenization: bounded pools off the event loop) -> length checks -> A/B arm -> submit to the engine loop (which validates again and may answer 429 or
 503) -> stream or collect the outputs. A client that disconnects, or a request that outlives the
 request timeout, is aborted so its KV blocks return to the pool.
 """
@@ -13,18 +13,20 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 
 from api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner, Assignment
 from api.errors import APIError
-from api.formatting import ChatFormatter, CompletionFormatter, ResponseInfo, dumps
+from api.formatting import ChatFormatter, CompletionFormatter, ResponseInfo
+from api.json_text import JSONText, dumps
 from api.metrics import RequestTracker, ServerMetrics
 from api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from api.settings import ServerSettings
+from api.tokenization import PromptTokenizer
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.errors import InvalidRequestError, SpecdecError
 from engine.sampling_params import SamplingParams
@@ -86,40 +88,50 @@ def completion_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> 
     return prompt
 
 
-def build_sampling_params(
-    body: SamplingFields,
-    requested_max_tokens: int | None,
-    num_prompt_tokens: int,
-    max_model_len: int,
-    limit: int | None,
-) -> SamplingParams:
-    """SamplingParams of a request; raises InvalidRequestError (400).
+def requested_max_tokens(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """``max_completion_tokens`` when given (chat), else ``max_tokens``."""
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
 
-    Without a requested ``max_tokens`` the request may run to max_model_len, or to the server's
-    ``limit`` when one is set.
+
+def build_sampling_params(
+    body: SamplingFields, requested_max_tokens: int | None, limit: int | None
+) -> SamplingParams:
+    """SamplingParams of a request, which validates every range; raises InvalidRequestError (400).
+
+    ``max_tokens`` is the requested one (None: decided once the prompt length is known, see
+    ``fill_max_tokens``). Built before the prompt is tokenized, so a bad parameter costs nothing.
     """
     if requested_max_tokens is not None and limit is not None and requested_max_tokens > limit:
         raise InvalidRequestError(
             f"max_tokens ({requested_max_tokens}) exceeds this server's limit of {limit}",
             param="max_tokens",
         )
-    max_tokens = requested_max_tokens
-    if max_tokens is None and limit is not None:
-        max_tokens = max(1, min(limit, max_model_len - num_prompt_tokens))
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
+        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         seed=body.seed,
-        max_tokens=max_tokens,
+        max_tokens=requested_max_tokens,
         stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
     )
+
+
+def fill_max_tokens(
+    params: SamplingParams, num_prompt_tokens: int, max_model_len: int, limit: int | None
+) -> SamplingParams:
+    """Without a requested ``max_tokens`` the request may run to max_model_len, or to the server's
+    ``limit`` when one is set."""
+    if params.max_tokens is not None or limit is None:
+        return params
+    return replace(params, max_tokens=max(1, min(limit, max_model_len - num_prompt_tokens)))
 
 
 class OpenAIServing:
@@ -138,43 +150,53 @@ class OpenAIServing:
         self.assigner = assigner
         self.max_model_len = engine.engine.max_model_len
         self.max_tokens_limit = settings.max_tokens_limit
-        self.tokenizer: Tokenizer | None = engine.engine.tokenizer
+        tokenizer: Tokenizer | None = engine.engine.tokenizer
+        self.prompts: PromptTokenizer | None = None
+        if tokenizer is not None:
+            tokenizer.max_chars_per_token  # noqa: B018 - computed once, at start-up
+            self.prompts = PromptTokenizer(
+                tokenizer,
+                self.max_model_len,
+                special_tokens_in_content=settings.allow_special_tokens_in_content,
+            )
 
     # ---- endpoints --------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         model = self._check_model(body.model)
         check_unsupported(body)
-        if self.tokenizer is None:
+        if self.prompts is None:
             raise InvalidRequestError(
                 "this model has no tokenizer, so chat messages cannot be encoded; use "
                 "/v1/completions with token ids",
                 param="messages",
             )
+        requested = requested_max_tokens(body)
+        params = build_sampling_params(body, requested, self.max_tokens_limit)
         messages = []
         for m in body.messages:
             message = m.model_dump(mode="python", exclude_unset=True)
             message.setdefault("content", None)
             messages.append(message)
-        prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
-        requested = body.max_completion_tokens or body.max_tokens
-        prep = self._prepare(body, request, prompt_ids, requested, arrival, model, "chatcmpl")
+        prompt_ids = await self.prompts.encode_chat(messages)
+        prep = self._prepare(body, request, prompt_ids, params, arrival, model, "chatcmpl")
         return await self._generate(prep, request, ChatFormatter(prep.info))
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         model = self._check_model(body.model)
         check_unsupported(body)
+        params = build_sampling_params(body, body.max_tokens, self.max_tokens_limit)
         prompt = completion_prompt(body.prompt)
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if self.prompts is None:
                 raise InvalidRequestError(
                     "this model has no tokenizer: pass the prompt as token ids", param="prompt"
                 )
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+            prompt_ids = await self.prompts.encode_prompt(prompt)
         else:
             prompt_ids = list(prompt)
-        prep = self._prepare(body, request, prompt_ids, body.max_tokens, arrival, model, "cmpl")
+        prep = self._prepare(body, request, prompt_ids, params, arrival, model, "cmpl")
         return await self._generate(prep, request, CompletionFormatter(prep.info))
 
     # ---- checks -----------------------------------------------------------------------------
@@ -194,16 +216,14 @@ class OpenAIServing:
         body: ChatCompletionRequest | CompletionRequest,
         request: Request,
         prompt_ids: list[int],
-        requested_max_tokens: int | None,
+        params: SamplingParams,
         arrival: float,
         model: str,
         id_prefix: str,
     ) -> Prepared:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        params = build_sampling_params(
-            body, requested_max_tokens, len(prompt_ids), self.max_model_len, self.max_tokens_limit
-        )
+        params = fill_max_tokens(params, len(prompt_ids), self.max_model_len, self.max_tokens_limit)
         self.engine.engine.check_lengths(len(prompt_ids), params)
         assignment = self.assigner.assign(body.speculative, request.headers.get(SPECULATIVE_HEADER))
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -254,7 +274,7 @@ class OpenAIServing:
         final = await self._collect(prep, stream, tracker, request)
         if final is None:  # the client is gone; nobody will read this
             return Response(status_code=499)
-        return JSONResponse(formatter.response(final), headers=headers)
+        return JSONText(formatter.response(final), headers=headers)
 
     def _deadline(self, prep: Prepared) -> float | None:
         timeout = self.settings.request_timeout_s

@@ -9,6 +9,8 @@ from engine.errors import ConfigError
 DEFAULT_MAX_QUEUE_LEN = 256
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,12 @@ class ServerSettings:
     ``max_queue_len``: requests allowed to wait beyond the free batch slots before 429.
     ``max_tokens_limit``: the largest ``max_tokens`` a request may ask for (None: max_model_len).
     ``request_timeout_s``: a request still running after this long is aborted.
+    ``header_timeout_s``: a connection whose request headers are not complete this long after
+    they started (or after it opened) is closed. ``body_timeout_s``: a request body that stalls
+    this long between chunks gets a 408.
+    ``allow_special_tokens_in_content``: parse special-token text (``<|im_start|>``) inside chat
+    message content as control tokens; by default it is plain text, so a message cannot forge
+    the template's turns. For clients trusted to write the model's control tokens.
     """
 
     served_model_names: tuple[str, ...]
@@ -32,6 +40,9 @@ class ServerSettings:
     max_tokens_limit: int | None = None
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allow_special_tokens_in_content: bool = False
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -59,6 +70,9 @@ class ServerSettings:
             self.request_timeout_s is None or self.request_timeout_s > 0,
             f"request_timeout must be > 0 seconds, got {self.request_timeout_s}",
         )
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            check(value > 0, f"{name.removesuffix('_s')} must be > 0 seconds, got {value}")
         check(self.max_body_bytes >= 1, f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
 
     @property

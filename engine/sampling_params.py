@@ -12,10 +12,75 @@ MAX_STOP_SEQUENCES = 16
 
 
 @dataclass(frozen=True)
+class Bound:
+    """A closed or half-open interval of accepted values; ``None`` is an open end."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"must be {'>' if self.low_open else '>='} {self.low:g}"
+        return f"must be in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+    def json_schema(self) -> dict[str, float]:
+        """The bound as JSON Schema keywords (for the OpenAPI document)."""
+        schema: dict[str, float] = {}
+        if self.low is not None:
+            schema["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            schema["maximum"] = self.high
+        return schema
+
+
+# The accepted range of every numeric sampling parameter: the one table both the validation below
+# and the API schema (api.protocol) read.
+# - temperature: OpenAI's [0, 2]; 0 is greedy, tiny positive values are clamped by the sampler.
+# - top_p, min_p: probabilities; top_p = 0 would keep nothing.
+# - top_k: -1 or 0 disable it, k >= 1 keeps the k most likely tokens (k >= vocab keeps all); the
+#   upper end keeps the value a 32-bit integer on the device.
+# - presence/frequency penalty: OpenAI's [-2, 2].
+# - repetition_penalty: the HF/vLLM multiplicative penalty (1 = off). Logits of seen tokens are
+#   divided (or multiplied) by it, so tiny values blow them up past float range (inf, then NaN
+#   probabilities); [0.01, 2] keeps a logit's magnitude within x100 and covers every setting in
+#   practical use (1.0-1.3 to discourage repetition, < 1 to encourage it).
+# - seed: any 64-bit value, signed or unsigned (the generator reduces it modulo 2^64).
+# - max_tokens: at least one token; the upper end is max_model_len (checked by the engine).
+BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(0.0, 2.0),
+    "top_p": Bound(0.0, 1.0, low_open=True),
+    "top_k": Bound(-1, 2**31 - 1),
+    "min_p": Bound(0.0, 1.0),
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+    "repetition_penalty": Bound(0.01, 2.0),
+    "seed": Bound(-(2**63), 2**64 - 1),
+    "max_tokens": Bound(1),
+}
+
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_INTS = ("top_k", "seed", "max_tokens")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens and when it stops.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` and
+    Every numeric field must lie in its range of ``BOUNDS``. ``temperature == 0`` means greedy.
+    ``top_k <= 0`` disables top-k; ``top_p == 1`` and
     ``min_p == 0`` disable those filters. Penalties follow OpenAI (presence/frequency, additive on
     logits of tokens already generated) and the HF/vLLM repetition penalty (multiplicative on logits
     of tokens in prompt or output, 1.0 = off). ``max_tokens=None`` generates until ``max_model_len``.
@@ -45,56 +110,40 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
+            """``why`` is a phrase that follows the parameter's name ("must be ...")."""
             return InvalidRequestError(f"{param} {why}", param=param)
 
-        finite = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        for name, value in finite.items():
+        for name in _FLOATS:
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, f"must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise bad(name, f"must be finite, got {value!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise bad("top_k", f"must be an integer, got {self.top_k!r}")
-        if self.top_k < -1:
-            raise bad("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in _INTS:
             value = getattr(self, name)
-            if not -2 <= value <= 2:
-                raise bad(name, f"must be in [-2, 2], got {value}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None:
-            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-                raise bad("max_tokens", f"must be an integer, got {self.max_tokens!r}")
-            if self.max_tokens < 1:
-                raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+            if value is None and name != "top_k":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, f"must be an integer, got {value!r}")
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and value not in bound:
+                raise bad(name, f"{bound.describe()}, got {value}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
-            raise bad("stop", f"at most {MAX_STOP_SEQUENCES} stop strings, got {len(self.stop)}")
+            raise bad(
+                "stop", f"holds {len(self.stop)} strings, at most {MAX_STOP_SEQUENCES} allowed"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise bad("stop", f"stop strings must be non-empty strings, got {s!r}")
+                raise bad("stop", f"must hold non-empty strings, got {s!r}")
         if len(self.stop_token_ids) > 4 * MAX_STOP_SEQUENCES:
-            raise bad("stop_token_ids", "too many stop token ids")
+            raise bad(
+                "stop_token_ids",
+                f"holds {len(self.stop_token_ids)} ids, at most {4 * MAX_STOP_SEQUENCES} allowed",
+            )
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+                raise bad("stop_token_ids", f"must hold token ids (integers >= 0), got {t!r}")
 
     @property
     def greedy(self) -> bool:

@@ -8,13 +8,22 @@ and exposes a cheap window decode for the incremental detokenizer.
 from __future__ import annotations
 
 import json
+import math
+import re
+import secrets
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.errors import CorruptModelFileError, InvalidRequestError, ModelNotFoundError
+from engine.errors import (
+    CorruptModelFileError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -66,10 +75,50 @@ class Tokenizer:
             ) from exc
         return cls(hf_tokenizer, eos_token_ids=_generation_config_eos_ids(model_dir))
 
+    # ------------------------------------------------------------------------------ size bound
+
+    @cached_property
+    def max_chars_per_token(self) -> int | None:
+        """Most characters of input text one token can stand for, or None if not known.
+
+        See ``chars_per_token_bound``; computed once from the tokenizer's own description.
+        """
+        backend = self._backend
+        if backend is None:
+            return None
+        return chars_per_token_bound(json.loads(backend.to_str()))
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """A lower bound on the token count of any text of ``num_chars`` characters (0 when the
+        tokenizer gives no bound): no token stands for more than ``max_chars_per_token``."""
+        per_token = self.max_chars_per_token
+        return 0 if per_token is None else math.ceil(num_chars / per_token)
+
+    def check_fits(self, text: str, max_tokens: int | None, param: str = "prompt") -> None:
+        """Raise PromptTooLongError if ``text`` has at least ``max_tokens`` tokens for sure,
+        without tokenizing it (a length check, cheap for any size)."""
+        if max_tokens is None:
+            return
+        least = self.min_num_tokens(len(text))
+        if least >= max_tokens:
+            raise PromptTooLongError(
+                f"the prompt has {len(text)} characters, so at least {least} tokens (no token of "
+                f"this tokenizer stands for more than {self.max_chars_per_token} characters), "
+                f"but max_model_len is {max_tokens}: shorten the prompt",
+                param=param,
+            )
+
     # ----------------------------------------------------------------------------- encode/decode
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. where the model uses them."""
+    def encode(
+        self, text: str, add_special_tokens: bool = False, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. where the model uses them.
+
+        Text that is not valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escape can
+        carry) raises InvalidRequestError naming ``param``.
+        """
+        check_text(text, param)
         return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -100,7 +149,9 @@ class Tokenizer:
 
     def render_chat(self, messages: Any, add_generation_prompt: bool = True) -> str:
         """Render validated chat ``messages`` through the model's chat template to prompt text."""
-        normalized = validate_chat_messages(messages)
+        return self._render(validate_chat_messages(messages), add_generation_prompt)
+
+    def _render(self, normalized: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         if not self.has_chat_template:
             raise InvalidRequestError(
                 "this model has no chat template, so chat messages cannot be turned into a "
@@ -117,14 +168,231 @@ class Tokenizer:
             ) from exc
         return str(rendered)
 
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        max_prompt_tokens: int | None = None,
+    ) -> list[int]:
         """Prompt token ids for chat ``messages``.
 
         The template writes BOS and control tokens itself, so the rendered text is encoded
-        without adding special tokens again.
+        without adding special tokens again. Message text is text: special-token strings inside
+        it (``"<|im_end|>"``) are tokenized as the plain characters they are, so a message cannot
+        forge a turn of another role, unless ``special_tokens_in_content`` (trusted clients).
+        ``max_prompt_tokens``: refuse (PromptTooLongError) a rendered prompt that surely has at
+        least this many tokens, before tokenizing it.
         """
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        normalized = validate_chat_messages(messages)
+        if special_tokens_in_content or not self._holds_special_text(normalized):
+            text = self._render(normalized, add_generation_prompt)
+            self.check_fits(text, max_prompt_tokens, param="messages")
+            return self.encode(text, add_special_tokens=False, param="messages")
+        return self._encode_chat_as_text(normalized, add_generation_prompt, max_prompt_tokens)
+
+    # ------------------------------------------------------------------ special tokens in text
+
+    @cached_property
+    def _special_tokens(self) -> dict[int, str]:
+        """Id -> text of the added tokens flagged special (the control tokens)."""
+        decoder = self.hf_tokenizer.added_tokens_decoder
+        return {i: t.content for i, t in decoder.items() if t.special}
+
+    @cached_property
+    def _special_text(self) -> re.Pattern[str] | None:
+        """Matches any special token's text."""
+        contents = list(self._special_tokens.values())
+        if not contents:
+            return None
+        return re.compile("|".join(re.escape(c) for c in sorted(contents, key=len, reverse=True)))
+
+    @cached_property
+    def _plain_backend(self) -> Any:
+        """A copy of the Rust tokenizer that reads special-token text as plain text (a copy:
+        the flag is tokenizer state, and the original serves other threads meanwhile)."""
+        from tokenizers import Tokenizer as RustTokenizer
+
+        plain = RustTokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def _holds_special_text(self, value: Any) -> bool:
+        pattern = self._special_text
+        if pattern is None or self._backend is None:
+            return False
+        if isinstance(value, str):
+            return pattern.search(value) is not None
+        if isinstance(value, dict):
+            return any(self._holds_special_text(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(self._holds_special_text(v) for v in value)
+        return False
+
+    def _encode_chat_as_text(
+        self,
+        normalized: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        max_prompt_tokens: int | None,
+    ) -> list[int]:
+        """Token ids of the rendered chat where only the template's own special tokens are
+        control tokens.
+
+        Every message string holding special-token text is replaced by a unique marker, the
+        template renders, and the markers are swapped back, which gives the character spans of
+        message text in the prompt (the result must equal a plain rendering, else the template
+        rewrites message text and the spans are unknown: refused). The prompt is tokenized as
+        usual; special tokens inside a message span are dropped as such, and the text between
+        the template's special tokens is tokenized with special-token parsing off. The Rust
+        tokenizer splits text at special tokens before anything else, so every other token is
+        what a plain tokenization gives.
+        """
+        originals: list[str] = []
+        tag = secrets.token_hex(8)
+
+        def mask(value: Any) -> Any:
+            if isinstance(value, str):
+                if not self._holds_special_text(value):
+                    return value
+                originals.append(value)
+                return f"\ue000{tag}:{len(originals) - 1}\ue001"
+            if isinstance(value, dict):
+                return {k: (v if k == "role" else mask(v)) for k, v in value.items()}
+            if isinstance(value, list):
+                return [mask(v) for v in value]
+            return value
+
+        masked = self._render([mask(m) for m in normalized], add_generation_prompt)
+        parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        pos = length = 0
+        for match in re.finditer(f"\ue000{tag}:(\\d+)\ue001", masked):
+            parts.append(masked[pos : match.start()])
+            length += match.start() - pos
+            original = originals[int(match.group(1))]
+            spans.append((length, length + len(original)))
+            parts.append(original)
+            length += len(original)
+            pos = match.end()
+        parts.append(masked[pos:])
+        text = "".join(parts)
+        if text != self._render(normalized, add_generation_prompt):
+            raise InvalidRequestError(
+                "a message holds special-token text and the model's chat template rewrites "
+                "message text, so it cannot be kept as plain text: remove it (or the server "
+                "can allow it with --allow-special-tokens-in-content)",
+                param="messages",
+            )
+        self.check_fits(text, max_prompt_tokens, param="messages")
+        check_text(text, "messages")
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        cut = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id not in self._special_tokens:
+                continue
+            if any(start < span_end and end > span_start for span_start, span_end in spans):
+                continue  # special-token text a message wrote: plain text
+            ids.extend(self._plain_backend.encode(text[cut:start], add_special_tokens=False).ids)
+            ids.append(token_id)
+            cut = end
+        ids.extend(self._plain_backend.encode(text[cut:], add_special_tokens=False).ids)
+        return ids
+
+
+# Normalizers that never drop a character; composition (NFC, NFKC) may merge up to
+# _MAX_COMPOSED characters into one: a composed character's canonical decomposition, which it
+# replaces, has at most that many (tests/test_tokenizer.py checks it against unicodedata).
+_KEEPING_NORMALIZERS = {"NFC", "NFKC", "NFD", "NFKD", "Prepend", "Lowercase", "Replace"}
+_COMPOSING = {"NFC", "NFKC"}
+_MAX_COMPOSED = 4
+# Pre-tokenizers that split text without dropping any of it (unless behavior is "Removed").
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Metaspace", "Digits", "Punctuation"}
+
+
+def chars_per_token_bound(spec: dict[str, Any]) -> int | None:
+    """Most input characters one token can stand for, from a tokenizer.json ``spec``; None when
+    the pipeline can drop or fuse text (then a text's length bounds nothing).
+
+    The bound holds when every character reaches some token: byte-level models (every byte is a
+    token of the alphabet) and BPE with byte fallback (a character outside the vocabulary
+    becomes its UTF-8 bytes), behind normalizers and pre-tokenizers that never drop text. Then a
+    token covers at most as many characters as its vocabulary string is long (a byte-level
+    string has one symbol per byte, and a character has at least one byte), an added token its
+    content, and normalization shrinks text by at most the factor computed below. So a text of N
+    characters has at least ceil(N / bound) tokens: exact arithmetic, not an estimate of typical
+    text.
+    """
+    model = spec.get("model") or {}
+    pre_types = _component_types(spec.get("pre_tokenizer"), "pretokenizers")
+    norm_types = _component_types(spec.get("normalizer"), "normalizers")
+    if pre_types is None or norm_types is None:
+        return None
+    if not (
+        "ByteLevel" in pre_types or (model.get("type") == "BPE" and model.get("byte_fallback"))
+    ):
+        return None
+    if not set(pre_types) <= _KEEPING_PRE_TOKENIZERS or not set(norm_types) <= _KEEPING_NORMALIZERS:
+        return None
+    shrink = 1.0
+    for component in _components(spec.get("normalizer"), "normalizers"):
+        if component["type"] in _COMPOSING:
+            shrink *= _MAX_COMPOSED
+        elif component["type"] == "Replace":
+            pattern = (component.get("pattern") or {}).get("String")
+            content = component.get("content") or ""
+            if pattern is None or not content:
+                return None  # a regex or a deletion may remove any amount of text
+            shrink *= max(1.0, len(pattern) / len(content))
+    for component in _components(spec.get("pre_tokenizer"), "pretokenizers"):
+        if component.get("behavior") in ("Removed", "removed"):
+            return None
+    vocab = model.get("vocab") or {}
+    pieces = vocab.keys() if isinstance(vocab, dict) else (entry[0] for entry in vocab)
+    longest = max((len(p) for p in pieces), default=1)
+    for added in spec.get("added_tokens") or ():
+        longest = max(longest, len(added.get("content", "")))
+    return math.ceil(longest * shrink)
+
+
+def _components(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        return [c for sub in component.get(key, ()) for c in _components(sub, key)]
+    return [component]
+
+
+def _component_types(component: dict[str, Any] | None, key: str) -> list[str] | None:
+    try:
+        return [c["type"] for c in _components(component, key)]
+    except (KeyError, TypeError):
+        return None
+
+
+def unicode_error(text: str) -> str | None:
+    """Why ``text`` cannot be encoded as UTF-8 (it holds a lone surrogate), or None if it can.
+
+    Python strings decoded from JSON may hold surrogates U+D800..U+DFFF on their own (the escape
+    ``\\ud800`` without its pair); they are not characters, and tokenizers refuse them.
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"text must be valid Unicode: it holds a lone surrogate "
+            f"U+{ord(text[exc.start]):04X} at index {exc.start}"
+        )
+    return None
+
+
+def check_text(text: str, param: str) -> None:
+    """Raise InvalidRequestError naming ``param`` if ``text`` is not valid Unicode."""
+    problem = unicode_error(text)
+    if problem is not None:
+        raise InvalidRequestError(problem, param=param)
 
 
 def validate_chat_messages(messages: Any) -> list[dict[str, Any]]:

@@ -9,7 +9,9 @@ counters are kept when present.
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -54,6 +56,30 @@ def request_body(spec: RequestSpec, prompt: Prompt, seed: int | None) -> dict:
     return body
 
 
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """Lines of an SSE stream, split only at CR, LF and CRLF as the SSE format defines.
+
+    httpx's ``aiter_lines`` splits like ``str.splitlines``, also at U+2028, U+2029, U+0085 and
+    other separators a JSON string may hold raw, which would cut an event in two.
+    """
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        # A CR at the very end may be the first half of a CRLF: keep it for the next chunk.
+        cut = len(pending) - 1 if pending.endswith("\r") else len(pending)
+        parts = _SSE_LINE_END.split(pending[:cut])
+        pending = parts.pop() + pending[cut:]
+        for line in parts:
+            yield line
+    if pending:
+        for line in _SSE_LINE_END.split(pending):
+            if line:
+                yield line
+
+
 def _error_text(status: int, raw: bytes) -> str:
     try:
         err = json.loads(raw)["error"]
@@ -87,7 +113,7 @@ async def send_request(
                 record.error = _error_text(response.status_code, await response.aread())
                 record.end_time = time.perf_counter()
                 return record
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 now = time.perf_counter()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event: lines

@@ -15,7 +15,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -29,10 +32,12 @@ TRIGGER = "\n"  # the chat template's generation prompt ends with it
 SCRIPT_LOGIT = 5.0  # x8 after the final RMSNorm: far above the random rows' logits
 
 
-def build_script_model(path: Path, seed: int = 0) -> list[int]:
-    """Save the script model + tiny tokenizer to ``path``; return the script's token ids."""
+def build_script_model(path: Path, seed: int = 0, text: str = SCRIPT) -> list[int]:
+    """Save the script model + tiny tokenizer to ``path``; return the script's token ids.
+
+    ``text`` replaces the script (its byte-level tokens must be distinct)."""
     tok = build_byte_level_tokenizer()
-    script = tok.encode(SCRIPT, add_special_tokens=False)
+    script = tok.encode(text, add_special_tokens=False)
     (trigger,) = tok.encode(TRIGGER, add_special_tokens=False)
     assert len(set(script)) == len(script) and trigger not in script
     model = tiny_hf_model("qwen2", seed=seed, vocab=len(tok), layers=2)
@@ -64,10 +69,10 @@ def build_script_model(path: Path, seed: int = 0) -> list[int]:
     return script
 
 
-def script_text(num_tokens: int) -> str:
+def script_text(num_tokens: int, text: str = SCRIPT) -> str:
     """What the script model says after the trigger in ``num_tokens`` tokens."""
     tok = build_byte_level_tokenizer()
-    ids = tok.encode(SCRIPT, add_special_tokens=False)
+    ids = tok.encode(text, add_special_tokens=False)
     cycle = [ids[i % len(ids)] for i in range(num_tokens)]
     return tok.decode(cycle)
 
@@ -192,3 +197,26 @@ def sse_events(lines) -> list[dict | str]:
             data = line[len("data:") :].strip()
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+@contextmanager
+def run_uvicorn(app, **config) -> Iterator[str]:
+    """Serve an ASGI ``app`` with uvicorn on a free port in a thread; yields its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -61,7 +61,9 @@ BAD_JSON_BODIES = [
     ("image part", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages[0].content"),
     ("null user content", CHAT, chat(messages=[{"role": "user", "content": None}]), 400,
-     "messages"),
+     "messages[0]"),
+    ("tool message without content", CHAT, chat(messages=[{"role": "tool"}]), 400,
+     "messages[0]"),
     ("messages not a list", CHAT, chat(messages="hi"), 400, "messages"),
     ("temperature < 0", CHAT, chat(temperature=-0.5), 400, "temperature"),
     ("temperature string", CHAT, chat(temperature="0.5"), 400, "temperature"),

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from api.engine_args import add_engine_arguments, config_from_args
 from api.settings import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -65,6 +67,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body accepted; larger ones get 413 (default: %(default)s)",
     )
+    server.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a request's headers, from the connection opening or "
+        "the request's first byte; then the connection is closed (default: %(default)s)",
+    )
+    server.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may stall between chunks before a 408 (default: %(default)s)",
+    )
+    server.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="parse special-token text (such as <|im_start|>) inside chat message content as "
+        "control tokens, for trusted clients; by default it is plain text (completion prompts "
+        "are always parsed)",
+    )
     add_engine_arguments(parser)
 
 
@@ -84,6 +106,9 @@ def settings_from_args(args: argparse.Namespace, config: EngineConfig) -> Server
         max_tokens_limit=args.max_tokens_limit,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
     )
     if settings.ab_split is not None and not config.speculation_enabled:
         raise ConfigError("--ab-split needs speculation: set --speculative-method")
@@ -94,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
+    from api.slow_clients import header_timeout_protocol
     from engine.async_engine import AsyncEngine, loop_hooks_from_env
     from engine.llm_engine import LLMEngine
 
@@ -112,5 +138,6 @@ def run(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=level,
         timeout_graceful_shutdown=5,
+        http=header_timeout_protocol(settings.header_timeout_s),
     )
     return 0
