@@ -9,33 +9,27 @@ path, which *is* `engine.sampling.compute_probs` / `engine.sampling.sample` and
 * `warp_probs`: penalised logits -> probabilities. Same order as the reference: greedy rows become
   one-hot at the argmax (lowest id on ties); other rows get softmax(logits / T), then top-k
   (renormalised), then top-p on that (renormalised), then min-p relative to the top probability.
-* `sample_from_probs`: one token per row; greedy rows take the argmax and draw nothing.
-* `verify_drafts`: the Leviathan/Chen rule (accept x with probability min(1, p(x)/q(x)), else
-  draw from norm(max(0, p - q)); a bonus token from p when all drafts pass). Greedy rows are
-  checked exactly in torch (accept while the draft is the target's argmax, then emit the argmax),
-  so greedy speculative output equals greedy plain output whatever kernels are used. Sampled rows
-  go to FlashInfer's ``chain_speculative_sampling``, which needs one draft count per call: rows are
-  grouped by their number of drafts.
+* `sample_from_probs`: one token per row.
+* `verify_drafts`: each row's drafts against its target rows.
 
-Identical semantics means identical distributions and identical guarantees about seeds, not
-identical random numbers: the reference and the kernels draw from different streams. The only
-other difference is at exact probability ties on the top-k / top-p boundary, where the reference
-keeps every tied token and FlashInfer's pivot search may keep a different subset; with real-valued
-logits such ties have probability zero.
+Each row follows one of two rules, whatever the kernels:
 
-Seeds. FlashInfer's sampling kernels take one (seed, offset) pair per call (a seed *tensor* is
-read at element 0 only; it exists so a call can be captured in a CUDA graph) and give row b the
-Philox subsequence b, so a row's draws depend on its position in the batch. The design here:
+* **picked** rows (greedy or seeded requests) take the argmax, or for a seeded request the
+  exponential race on counter-based noise keyed by (seed, position) (`engine.sampling.sample`),
+  computed in torch for all such rows at once. Their drafts are verified by the coupling
+  `specdec.rejection_sampler.coupled_verify` (accept while the draft is the target's pick), so the
+  committed tokens equal plain decode's for any k, batch or arm. No kernel call, no per-row call.
+* **free** rows (unseeded sampled requests) draw from the device's default generator: all of a
+  step's free rows in one ``kernels.sample`` call, and their drafts by the Leviathan/Chen rule
+  (accept x with probability min(1, p(x)/q(x)), else draw from norm(max(0, p - q)); a bonus token
+  from p when all drafts pass) in FlashInfer's ``chain_speculative_sampling``, which needs one
+  draft count per call: one call per distinct draft count (at most k per step), never per row.
 
-* rows without a seed share one batched call whose (seed, offset) come from the device's default
-  generator, advanced by the call; their draws may depend on the batch, as unseeded draws may;
-* each seeded row gets a call of its own (a batch of one, so always subsequence 0) whose
-  (seed, offset) come from, and advance, that request's generator. Its tokens then depend only on
-  its seed and its own history, never on its row or its neighbours.
-
-A seeded row costs one extra small launch per step. Seeded requests are a small share of serving
-traffic and the unseeded bulk stays one launch; deriving per-row uniforms ourselves and sampling
-in torch would batch seeded rows too, but gives up the kernels' sort-free top-k/top-p.
+Identical semantics means identical distributions, not identical random numbers for free rows:
+the reference and the kernels draw from different streams. The only other difference is at exact
+probability ties on the top-k / top-p boundary, where the reference keeps every tied token and
+FlashInfer's pivot search may keep a different subset; with real-valued logits such ties have
+probability zero.
 """
 
 from __future__ import annotations
@@ -43,26 +37,24 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from engine.sampling import RowContext, apply_penalties, compute_probs, sample
 from engine.sampling_params import SamplingParams
-from specdec.rejection_sampler import RejectionResult, rejection_sample
+from specdec.rejection_sampler import RejectionResult, coupled_verify, rejection_sample
 
 logger = logging.getLogger(__name__)
 
 _MIN_TEMPERATURE = 1e-5  # as in engine.sampling: below this a row is one-hot in all but name
 _TOP_P_EPS = 1e-6  # as in engine.sampling: a prefix within this of top_p has reached it
 
-Generator = torch.Generator | None
-
 
 class SamplingKernels(Protocol):
-    """Batched kernels: one (seed, offset) per call, rows drawing from one shared stream."""
+    """Batched kernels drawing from the device's default generator."""
 
-    def sample(self, probs: torch.Tensor, generator: Generator) -> torch.Tensor:
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """``probs`` [b, V] -> [b] int64 tokens."""
         ...
 
@@ -71,7 +63,6 @@ class SamplingKernels(Protocol):
         draft_probs: torch.Tensor,  # [b, n, V]
         draft_token_ids: torch.Tensor,  # [b, n]
         target_probs: torch.Tensor,  # [b, n + 1, V]
-        generator: Generator,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (output ids [b, n + 1] int64 with -1 after the final token, num_accepted [b])."""
         ...
@@ -86,19 +77,16 @@ class SamplingKernels(Protocol):
 
 
 class TorchKernels:
-    """`SamplingKernels` in plain torch with the reference's tie rules.
+    """`SamplingKernels` in plain torch with the reference's tie rules, so the batched path runs
+    (and its calls can be counted) on the CPU too."""
 
-    Rows of one call draw in order from the one generator given, so, like FlashInfer, a row's
-    draws depend on its position: the batched path's seeding design is exercised on the CPU too.
-    """
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        return sample(probs)
 
-    def sample(self, probs: torch.Tensor, generator: Generator) -> torch.Tensor:
-        return sample(probs, [generator] * probs.shape[0])
-
-    def chain(self, draft_probs, draft_token_ids, target_probs, generator):
+    def chain(self, draft_probs, draft_token_ids, target_probs):
         b, n = draft_token_ids.shape
         full = torch.full((b,), n, dtype=torch.int64)
-        result = rejection_sample(target_probs, draft_token_ids, draft_probs, full, [generator] * b)
+        result = rejection_sample(target_probs, draft_token_ids, draft_probs, full)
         return result.output_token_ids, result.num_accepted
 
     def top_k_renorm(self, probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -125,20 +113,16 @@ class FlashInferKernels:
     def __init__(self) -> None:
         self._fi = importlib.import_module("flashinfer.sampling")
 
-    def sample(self, probs: torch.Tensor, generator: Generator) -> torch.Tensor:
-        out = self._fi.sampling_from_probs(
-            probs.float().contiguous(), deterministic=True, **_seed_kwargs(generator)
-        )
-        return out.long()
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        return self._fi.sampling_from_probs(probs.float().contiguous(), deterministic=True).long()
 
-    def chain(self, draft_probs, draft_token_ids, target_probs, generator):
+    def chain(self, draft_probs, draft_token_ids, target_probs):
         # The kernels index raw row-major memory: slices of a larger batch must be made dense.
         out, _, emitted = self._fi.chain_speculative_sampling(
             draft_probs.float().contiguous(),
             draft_token_ids.to(torch.int32).contiguous(),
             target_probs.float().contiguous(),
             deterministic=True,
-            **_seed_kwargs(generator),
         )
         return out.long(), emitted.long()
 
@@ -149,17 +133,6 @@ class FlashInferKernels:
         return self._fi.top_p_renorm_probs(
             probs.contiguous(), top_p.to(probs.device, torch.float32)
         )
-
-
-def _seed_kwargs(generator: Generator) -> dict[str, Any]:
-    """How a call gets its (seed, offset): FlashInfer reads a CUDA generator's Philox state and
-    advances it; a CPU generator (never the engine's on CUDA) supplies a fresh 62-bit seed."""
-    if generator is None:
-        return {}
-    if generator.device.type == "cuda":
-        return {"generator": generator}
-    seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
-    return {"seed": seed, "offset": 0}
 
 
 _kernels_cache: dict[str, SamplingKernels | None] = {}
@@ -193,13 +166,12 @@ def _smoke_test(kernels: SamplingKernels, device: torch.device) -> None:
     """Every kernel once on a 2 x 8 batch whose answers are forced (one-hot distributions)."""
     probs = torch.zeros(2, 8, device=device)
     probs[0, 3] = probs[1, 5] = 1.0
-    if kernels.sample(probs, None).tolist() != [3, 5]:
+    if kernels.sample(probs).tolist() != [3, 5]:
         raise RuntimeError("sampling kernel returned the wrong token for a one-hot row")
     ids, accepted = kernels.chain(
         probs[:, None],
         torch.tensor([[3], [5]], device=device),
         probs[:, None].expand(2, 2, 8),
-        None,
     )
     if accepted.tolist() != [1, 1] or ids[:, 0].tolist() != [3, 5]:
         raise RuntimeError("chain_speculative_sampling rejected drafts with p == q one-hot")
@@ -266,26 +238,29 @@ def warp_probs(
 def sample_from_probs(
     probs: torch.Tensor,  # [B, V]
     greedy: Sequence[bool],
-    generators: Sequence[Generator],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],  # the position in its sequence of the token each row picks
     kernels: SamplingKernels | None = None,
 ) -> torch.Tensor:  # [B] int64
-    """One token per row; seeded rows draw only from their own generator (module docstring)."""
+    """One token per row: picked rows (greedy, seeded) in torch, free rows in one kernel call."""
     num_rows = probs.shape[0]
-    if len(greedy) != num_rows or len(generators) != num_rows:
-        raise ValueError(f"need {num_rows} greedy flags and generators")
-    if kernels is None:
-        return sample(probs, generators)
-    sampled = [b for b in range(num_rows) if not greedy[b]]
-    shared = [b for b in sampled if generators[b] is None]
-    if len(shared) == num_rows:  # the common all-unseeded batch: one call, no gathers
-        return kernels.sample(probs, None)
+    if not len(greedy) == len(seeds) == len(positions) == num_rows:
+        raise ValueError(f"need {num_rows} greedy flags, seeds and positions")
+    free = [b for b in range(num_rows) if not greedy[b] and seeds[b] is None]
+    if kernels is None:  # the reference draws every row with one call
+        return sample(probs, seeds, positions)
+    if len(free) == num_rows:  # the common all-unseeded batch: one call, no gathers
+        return kernels.sample(probs)
     out = probs.argmax(dim=-1)  # greedy rows; lowest id on ties
-    if shared:
-        idx = torch.tensor(shared, device=probs.device)
-        out[idx] = kernels.sample(probs.index_select(0, idx), None)
-    for b in sampled:
-        if generators[b] is not None:
-            out[b : b + 1] = kernels.sample(probs[b : b + 1], generators[b])
+    seeded = [b for b in range(num_rows) if not greedy[b] and seeds[b] is not None]
+    if seeded:
+        idx = torch.tensor(seeded, device=probs.device)
+        out[idx] = sample(
+            probs.index_select(0, idx), [seeds[b] for b in seeded], [positions[b] for b in seeded]
+        )
+    if free:
+        idx = torch.tensor(free, device=probs.device)
+        out[idx] = kernels.sample(probs.index_select(0, idx))
     return out
 
 
@@ -295,75 +270,88 @@ def verify_drafts(
     draft_probs: torch.Tensor | None,  # [B, K, V], or None when every draft is one-hot
     num_draft_tokens: Sequence[int],  # host list, each in 0..K
     greedy: Sequence[bool],
-    generators: Sequence[Generator],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],  # position in its sequence of the token row 0 of each row picks
     kernels: SamplingKernels | None = None,
 ) -> RejectionResult:
-    """Verify each row's drafts; same contract as `specdec.rejection_sampler.rejection_sample`."""
+    """Verify each row's drafts (module docstring): picked rows and rows without drafts through
+    `sample_from_probs` and `coupled_verify`, the other free rows by the rejection rule."""
     batch, k_plus_1, vocab = target_probs.shape
     k = k_plus_1 - 1
     n_host = [int(n) for n in num_draft_tokens]
-    if len(n_host) != batch or len(greedy) != batch or len(generators) != batch:
-        raise ValueError(f"need {batch} draft counts, greedy flags and generators")
+    if not len(n_host) == len(greedy) == len(seeds) == len(positions) == batch:
+        raise ValueError(f"need {batch} draft counts, greedy flags, seeds and positions")
     if any(not 0 <= n <= k for n in n_host):
         raise ValueError(f"num_draft_tokens must lie in [0, {k}], got {n_host}")
-    if kernels is None:
-        counts = torch.tensor(n_host, dtype=torch.int64)
-        return rejection_sample(target_probs, draft_token_ids, draft_probs, counts, generators)
-
     dev = target_probs.device
     drafts = draft_token_ids.to(device=dev, dtype=torch.int64)
+    free = [b for b in range(batch) if not greedy[b] and seeds[b] is None and n_host[b] > 0]
+    picked = [b for b in range(batch) if greedy[b] or seeds[b] is not None or n_host[b] == 0]
     out = torch.full((batch, k + 1), -1, dtype=torch.int64, device=dev)
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=dev)
 
-    plain = [b for b in range(batch) if n_host[b] == 0]
-    if plain:
-        idx = torch.tensor(plain, device=dev)
-        out[idx, 0] = sample_from_probs(
-            target_probs[idx, 0],
-            [greedy[b] for b in plain],
-            [generators[b] for b in plain],
+    def select(rows: list[int]) -> torch.Tensor | slice:
+        # The whole batch in one rule (the common case) is sliced: no copies of its grids.
+        return slice(None) if len(rows) == batch else torch.tensor(rows, device=dev)
+
+    def put(idx: torch.Tensor | slice, res: RejectionResult, width: int) -> None:
+        out[idx, :width] = res.output_token_ids.to(torch.int64)
+        num_accepted[idx] = res.num_accepted.to(torch.int64)
+
+    if picked:
+        idx = select(picked)
+        res = _verify_picked(
+            target_probs[idx],
+            drafts[idx],
+            [n_host[b] for b in picked],
+            [greedy[b] for b in picked],
+            [seeds[b] for b in picked],
+            [positions[b] for b in picked],
             kernels,
         )
-    exact = [b for b in range(batch) if n_host[b] > 0 and greedy[b]]
-    if exact:
-        idx = torch.tensor(exact, device=dev)
-        n = torch.tensor([n_host[b] for b in exact], device=dev)
-        ids, acc = _verify_greedy(target_probs[idx], drafts[idx], n)
-        out[idx], num_accepted[idx] = ids, acc
-    # Sampled rows: one call per draft count for the unseeded, one call per seeded row.
-    calls: dict[tuple[int, int], list[int]] = {}
-    for b in range(batch):
-        if n_host[b] > 0 and not greedy[b]:
-            key = (n_host[b], -1 if generators[b] is None else b)
-            calls.setdefault(key, []).append(b)
-    for (n, _), rows in calls.items():
-        # The common case, one draft count for the whole batch, slices instead of gathering.
-        whole = len(rows) == batch
-        idx = slice(None) if whole else torch.tensor(rows, device=dev)
+        put(idx, res, k + 1)
+    if free and kernels is None:
+        idx = select(free)
+        counts = torch.tensor([n_host[b] for b in free], dtype=torch.int64)
+        q = None if draft_probs is None else draft_probs[idx]
+        put(idx, rejection_sample(target_probs[idx], drafts[idx], q, counts), k + 1)
+        return RejectionResult(output_token_ids=out, num_accepted=num_accepted)
+    # The kernel takes one draft count per call: one call per distinct count.
+    by_count: dict[int, list[int]] = {}
+    for b in free:
+        by_count.setdefault(n_host[b], []).append(b)
+    for n, rows in by_count.items():
+        idx = select(rows)
         ids = drafts[idx, :n]  # [g, n]
-        if draft_probs is None:
+        if draft_probs is None:  # one-hot q at each draft (n-gram proposals)
             q = torch.zeros(len(rows), n, vocab, dtype=torch.float32, device=dev)
             q.scatter_(2, ids[:, :, None], 1.0)
         else:
             q = draft_probs[idx, :n].to(device=dev, dtype=torch.float32)
-        got_ids, got_acc = kernels.chain(q, ids, target_probs[idx, : n + 1], generators[rows[0]])
-        out[idx, : n + 1] = got_ids.to(torch.int64)
-        num_accepted[idx] = got_acc.to(torch.int64)
+        got_ids, got_acc = kernels.chain(q, ids, target_probs[idx, : n + 1])
+        put(idx, RejectionResult(got_ids, got_acc), n + 1)
     return RejectionResult(output_token_ids=out, num_accepted=num_accepted)
 
 
-def _verify_greedy(
-    target_probs: torch.Tensor,  # [g, K + 1, V], one-hot rows
+def _verify_picked(
+    target_probs: torch.Tensor,  # [g, K + 1, V]
     drafts: torch.Tensor,  # [g, K]
-    num_drafts: torch.Tensor,  # [g], each >= 1
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([g, K + 1] ids, -1 padded; [g] accepted counts)
-    """Accept while the draft equals the target's argmax; then emit the argmax. No randomness."""
-    g, k = drafts.shape
-    top = target_probs.argmax(dim=-1)  # [g, K + 1]
-    pos = torch.arange(k, device=drafts.device)[None, :]
-    match = (drafts == top[:, :k]) & (pos < num_drafts[:, None])
-    accepted = match.long().cumprod(dim=1).sum(dim=1)  # [g]
-    out = torch.where(pos < accepted[:, None], drafts, torch.full_like(drafts, -1))
-    out = torch.cat([out, torch.full_like(out[:, :1], -1)], dim=1)
-    out.scatter_(1, accepted[:, None], top.gather(1, accepted[:, None]))
-    return out, accepted
+    num_drafts: list[int],
+    greedy: Sequence[bool],
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    kernels: SamplingKernels | None,
+) -> RejectionResult:
+    """The target's pick at every row (one `sample_from_probs` over the flattened grid; padding
+    rows count as greedy, so they cost an argmax and are never read), then `coupled_verify`."""
+    g, k_plus_1, vocab = target_probs.shape
+    real = [j <= num_drafts[b] for b in range(g) for j in range(k_plus_1)]
+    picks = sample_from_probs(
+        target_probs.reshape(g * k_plus_1, vocab),
+        [greedy[r // k_plus_1] or not real[r] for r in range(g * k_plus_1)],
+        [seeds[r // k_plus_1] if real[r] else None for r in range(g * k_plus_1)],
+        [positions[r // k_plus_1] + r % k_plus_1 for r in range(g * k_plus_1)],
+        kernels,
+    )
+    counts = torch.tensor(num_drafts, dtype=torch.int64, device=target_probs.device)
+    return coupled_verify(picks.view(g, k_plus_1), drafts[:, : k_plus_1 - 1], counts)

@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner, RunEntry
 from engine.models.arch import ModelArch
 from engine.models.fused_ops import FusedOps, probe_fused_ops
 from engine.outputs import OutputState, RequestOutput, append_and_check, make_output
-from engine.sampling import RowContext, make_generator
+from engine.sampling import RowContext
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence, SequenceStatus, SpecStats
@@ -111,7 +111,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._states: dict[str, OutputState] = {}
-        self._global_generator = make_generator(config.seed, self.device)
         self.num_steps = 0
         self._last_outcomes: list[SeqOutcome] = []
         per_block = bytes_per_block(archs, config.page_size, self.dtype)
@@ -242,12 +241,6 @@ class LLMEngine:
         prompt_ids = self._tokenize(prompt)
         self.check_lengths(len(prompt_ids), params)
         seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, mode, arrival_time)
-        # A seeded request draws only from its own generator, so its tokens do not depend on
-        # what else shares the batch; unseeded requests share the engine's.
-        if params.seed is not None:
-            seq.generator = make_generator(params.seed, self.device)
-        else:
-            seq.generator = self._global_generator
         self._states[request_id] = OutputState(seq, self.tokenizer)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -432,7 +425,8 @@ class LLMEngine:
             draft_probs[:, :k_max] if draft_probs is not None and k_max else None,
             num_drafts,
             [s.seq.params.greedy for s, _ in sampling],
-            [s.seq.generator for s, _ in sampling],
+            [s.seq.params.seed for s, _ in sampling],
+            [s.seq.num_tokens for s, _ in sampling],  # where each row 0's token goes
             self.sampling_kernels,
         )
         out_ids = result.output_token_ids.tolist()

@@ -21,13 +21,13 @@ mass reaches ``top_p``. Both rules are independent of sort stability and of toke
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine import noise
 from engine.sampling_params import SamplingParams
 
 # Cumulative float32 sums of a large vocabulary are off by a few ulps; a prefix whose mass is
@@ -213,51 +213,50 @@ def _warp(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def sample(
+    probs: torch.Tensor,
+    seeds: Sequence[int | None] | None = None,
+    positions: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Draw one token per row of ``probs`` ([num_rows, vocab]); returns ``[num_rows]`` int64.
 
-    Sampling uses the exponential-noise form of the Gumbel-max trick: with ``E_i ~ Exp(1)`` i.i.d.,
-    ``argmax_i p_i / E_i`` is distributed as ``Categorical(p)`` (``p_i / E_i`` is the reciprocal of
-    an exponential with rate ``p_i``, and the minimum of independent exponentials falls on ``i``
-    with probability ``p_i / sum p``). Unnormalised rows therefore work too, and no multinomial
-    host round-trip is needed.
+    Sampling is an exponential race (the exponential form of the Gumbel-max trick): with
+    ``E_i ~ Exp(1)`` i.i.d., ``argmax_i p_i / E_i`` is distributed as ``Categorical(p)`` (``p_i /
+    E_i`` is the reciprocal of an exponential with rate ``p_i``, and the minimum of independent
+    exponentials falls on ``i`` with probability ``p_i / sum p``). Unnormalised rows therefore work
+    too, no multinomial host round-trip is needed, and a one-hot row returns its token whatever the
+    noise.
 
-    A row with a generator draws its ``vocab`` exponentials from that generator only, so a seeded
-    request's tokens do not depend on its batch position or on other requests. Rows without one
-    share a single draw from the device's default generator. Exactly one-hot rows (greedy rows, or
-    sampled rows whose filters left a single token) return their argmax and consume no randomness;
-    deciding this costs one host read of a ``[num_rows]`` flag vector.
+    Row ``b`` with ``seeds[b]`` set races on the counter-based stream keyed by (seed,
+    ``positions[b]``, `engine.noise.TOKEN`): its token is a function of its seed, its position and
+    its distribution alone, whatever else is in the batch or was drawn before. This is the one
+    rule every token of a seeded request is picked by: plain decode, the draft's proposals and the
+    target's verification (`specdec.rejection_sampler.coupled_verify`). Rows without a seed share
+    one draw from the device's default generator.
     """
     if probs.dim() != 2:
         raise ValueError(f"probs must be [num_rows, vocab], got shape {tuple(probs.shape)}")
-    num_rows = probs.shape[0]
-    if len(generators) != num_rows:
-        raise ValueError(f"got {len(generators)} generators for {num_rows} rows")
+    num_rows, vocab = probs.shape
+    seeds = [None] * num_rows if seeds is None else list(seeds)
+    if len(seeds) != num_rows:
+        raise ValueError(f"got {len(seeds)} seeds for {num_rows} rows")
+    seeded = [b for b, s in enumerate(seeds) if s is not None]
+    if seeded and (positions is None or len(positions) != num_rows):
+        raise ValueError(f"seeded rows need one position per row ({num_rows} rows)")
     probs = probs.to(torch.float32)
-    top_token = probs.argmax(dim=-1)  # [num_rows]; first maximal index, i.e. lowest id on ties
-    one_hot = (probs.amax(dim=-1) == 1.0).tolist()
-    if all(one_hot):
-        return top_token
-
-    noise = torch.ones_like(probs)  # [num_rows, vocab]
-    shared = [i for i in range(num_rows) if not one_hot[i] and generators[i] is None]
-    if shared:
-        idx = torch.tensor(shared, device=probs.device)
-        draws = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_()
-        noise.index_copy_(0, idx, draws)
-    for i, gen in enumerate(generators):
-        if gen is not None and not one_hot[i]:
-            noise[i].exponential_(generator=gen)
+    every = len(seeded) == num_rows
+    draws = torch.empty_like(probs) if every else torch.empty_like(probs).exponential_()
+    step = noise.chunk_rows(vocab)
+    for c in range(0, len(seeded), step):
+        rows = seeded[c : c + step]
+        keys = noise.stream_keys(
+            [seeds[b] for b in rows], [positions[b] for b in rows], noise.TOKEN, probs.device
+        )
+        if every:
+            draws[c : c + len(rows)] = noise.exponentials(keys, vocab)
+        else:
+            idx = torch.tensor(rows, device=probs.device)
+            draws.index_copy_(0, idx, noise.exponentials(keys, vocab))
     # Exp(1) draws can be exactly 0 in float32; clamping keeps p/E finite and 0/E == 0 for p == 0.
-    noise.clamp_min_(torch.finfo(torch.float32).tiny)
-    drawn = (probs / noise).argmax(dim=-1)
-    flags = torch.tensor(one_hot, device=probs.device)
-    return torch.where(flags, top_token, drawn)
-
-
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    """A generator on ``device`` seeded with ``seed`` (reduced modulo 2**64 so any Python int is
-    accepted), or with 63 bits from the OS entropy source when ``seed`` is None."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(secrets.randbits(63) if seed is None else seed % (1 << 64))
-    return gen
+    draws.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / draws).argmax(dim=-1)

@@ -50,7 +50,7 @@ class Bound:
 #   divided (or multiplied) by it, so tiny values blow them up past float range (inf, then NaN
 #   probabilities); [0.01, 2] keeps a logit's magnitude within x100 and covers every setting in
 #   practical use (1.0-1.3 to discourage repetition, < 1 to encourage it).
-# - seed: any 64-bit value, signed or unsigned (the generator reduces it modulo 2^64).
+# - seed: any 64-bit value, signed or unsigned (the noise stream reduces it modulo 2^64).
 # - max_tokens: at least one token; the upper end is max_model_len (checked by the engine).
 BOUNDS: dict[str, Bound] = {
     "temperature": Bound(0.0, 2.0),

@@ -5,12 +5,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -135,7 +131,6 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         self.spec_stats = SpecStats()
-        self.generator: torch.Generator | None = None
         self.stop_reason: int | str | None = None
         # Text produced so far (filled by the output processor), and its emitted length.
         self.output_text = ""

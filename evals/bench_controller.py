@@ -272,10 +272,10 @@ def round_requests(
 
     Round r sends requests r*n .. r*n+n-1 (n = ``num_prompts``): request i takes prompt
     i mod len(prompts) and sampling seed i. Every arm of a round gets the same requests, and
-    each round gets fresh ones. At temperature > 0 an arm's text depends on its speculation (the
-    same seed draws differently once drafts are verified), so a fixed arm repeating one set of
-    requests would repeat one draw of text, lucky or unlucky for acceptance, in every round;
-    fresh requests per round turn that luck into noise the median over rounds averages.
+    each round gets fresh ones. At temperature > 0 a seeded request draws the same text in every
+    arm, so the arms of a round are compared on the same text; repeating one set of requests
+    would repeat one draw of text, lucky or unlucky for acceptance, in every round; fresh
+    requests per round turn that luck into noise the median over rounds averages.
     """
     first = round_index * num_prompts
     return [

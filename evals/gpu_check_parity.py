@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from scipy import stats
 
+from engine import noise
 from engine.attention.base import build_attention_metadata
 from engine.gpu_sampling import TorchKernels, sample_from_probs, verify_drafts, warp_probs
 from engine.kv_cache import ModelKV
-from engine.sampling import make_generator
 from engine.sampling_params import SamplingParams
 from evals.gpu_check_context import CheckContext
 from evals.gpu_check_engine import random_model_engine
@@ -235,6 +235,7 @@ def _first_token_p_values(kernels, device: torch.device, seed: int) -> list[floa
         n,
         [False] * rows,
         [None] * rows,
+        [0] * rows,
         kernels,
     )
     first = res.output_token_ids[:, 0].cpu()
@@ -268,20 +269,29 @@ def stage_sampling_parity(ctx: CheckContext) -> dict[str, Any]:
     probs = torch.softmax(torch.randn(6, 1000, device=ctx.device), -1)
     seen = set()
     for row in (0, 2, 5):
-        gens = [None] * 6
-        gens[row] = make_generator(123, ctx.device)
+        seeds: list[int | None] = [None, 7, None, None, 9, None]
+        seeds[row] = 123
         order = list(range(6))
         order[0], order[row] = order[row], order[0]
-        draws = [
-            int(sample_from_probs(probs[order], [False] * 6, gens, kernels)[row]) for _ in range(5)
-        ]
+        draws = []
+        for pos in range(5):
+            positions = [pos + 10 * b for b in range(6)]
+            positions[row] = pos
+            out = sample_from_probs(probs[order], [False] * 6, seeds, positions, kernels)
+            draws.append(int(out[row]))
         seen.add(tuple(draws))
+    # The counter-based noise is the same words on the device as on the CPU.
+    seeds, positions = [0, 5, 2**63 + 1, -7], [0, 3, 99, 2**33]
+    cpu_u = noise.uniforms(noise.stream_keys(seeds, positions, noise.TOKEN, "cpu"), vocab)
+    dev_u = noise.uniforms(noise.stream_keys(seeds, positions, noise.TOKEN, ctx.device), vocab)
+    same_noise = torch.equal(cpu_u, dev_u.cpu())
     res = {
         "warp_max_abs_diff": warp_err,
         "verify_first_token_p_values": p_values,
         "seeded_row_position_independent": len(seen) == 1,
+        "seeded_noise_equals_cpu": same_noise,
     }
-    res["pass"] = warp_err < 1e-4 and min(p_values) > 1e-4 and len(seen) == 1
+    res["pass"] = warp_err < 1e-4 and min(p_values) > 1e-4 and len(seen) == 1 and same_noise
     return res
 
 

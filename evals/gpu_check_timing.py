@@ -182,7 +182,7 @@ def stage_e2e(ctx: CheckContext) -> dict[str, Any]:
         t0 = time.perf_counter()
         for _ in range(steps):
             probs = torch.softmax(rig.target_step([[1]] * batch, starts), dim=-1)
-            kernels.sample(probs, None).tolist()  # the engine's one read per step
+            kernels.sample(probs).tolist()  # the engine's one read per step
             starts = [s + 1 for s in starts]
         timer.sync()
         plain = (time.perf_counter() - t0) / steps * 1e3
@@ -200,7 +200,7 @@ def stage_e2e(ctx: CheckContext) -> dict[str, Any]:
                         logits = rig.draft_step([[1]] * batch, [s + j for s in starts])
                         p = torch.softmax(logits, dim=-1)
                         d_probs.append(p)
-                        d_ids.append(kernels.sample(p, None))
+                        d_ids.append(kernels.sample(p))
                     t_logits = rig.target_step([[1] * (k + 1)] * batch, starts)
                     t_probs = torch.softmax(t_logits, dim=-1).view(batch, k + 1, vocab)
                     res = verify_drafts(
@@ -210,6 +210,7 @@ def stage_e2e(ctx: CheckContext) -> dict[str, Any]:
                         [k] * batch,
                         no,
                         none,
+                        [ctx_len] * batch,
                         kernels,
                     )
                     res.num_accepted.tolist()

@@ -23,9 +23,9 @@ DraftStopRule = Callable[[list[Sequence], list[list[float]]], list[bool]]
 @dataclass
 class Proposal:
     token_ids: list[int]  # up to k draft tokens (fewer, or none, when the proposer has nothing)
-    probs: (
-        torch.Tensor | None
-    )  # [len(token_ids), vocab] distribution each was drawn from; None = one-hot
+    # [len(token_ids), vocab] distribution each was drawn from; None when verification does not
+    # read it (q one-hot, or a greedy or seeded request, verified by the coupling)
+    probs: torch.Tensor | None
     # the draft's probability of each token (greedy: of its argmax, at temperature 1); empty
     # for a proposer without a distribution, or when no stop rule asked for them
     confidence: list[float] = field(default_factory=list)
@@ -75,9 +75,11 @@ class DraftModelProposer:
 
     Step 0 catches the draft up on every token it has not seen (the last step's bonus/corrected
     token, or a whole prompt after prefill) and drafts token 1; each later step feeds one draft
-    token per sequence still drafting. Greedy requests take the argmax; sampled requests draw from
-    the draft's distribution warped exactly like the target's, and those probabilities are kept as
-    q for the rejection sampler.
+    token per sequence still drafting. Every draft is drawn from the draft's distribution warped
+    exactly like the target's, by the rule the target will pick with (`sample_from_probs`):
+    greedy requests take the argmax, seeded requests run the exponential race on the noise of the
+    draft's (seed, position), so a draft is accepted whenever the target's pick agrees; unseeded
+    sampled requests draw freely and keep the probabilities as q for the rejection rule.
     """
 
     name = "draft_model"
@@ -120,7 +122,11 @@ class DraftModelProposer:
             p = probs_for_rows(logits, rows, self.kernels)
             greedy = [items[i].seq.params.greedy for i in active]
             drawn_t = sample_from_probs(
-                p, greedy, [items[i].seq.generator for i in active], self.kernels
+                p,
+                greedy,
+                [items[i].seq.params.seed for i in active],
+                [items[i].seq.num_tokens + step for i in active],  # where each draft would go
+                self.kernels,
             )
             # Only a stop rule reads confidences: without one, skip their kernels and copy.
             conf = _confidence(logits, p, drawn_t, greedy) if stop_rule is not None else None
@@ -141,8 +147,10 @@ class DraftModelProposer:
         for i, it in enumerate(items):
             if not tokens[i]:
                 out.append(Proposal([], None))
-            elif it.seq.params.greedy:
-                out.append(Proposal(tokens[i], None, confidence[i]))  # greedy: q is one-hot
+            elif it.seq.params.greedy or it.seq.params.seed is not None:
+                # q is unused: greedy and seeded drafts are verified by the coupling, which
+                # compares each draft with the target's own pick.
+                out.append(Proposal(tokens[i], None, confidence[i]))
             else:
                 out.append(Proposal(tokens[i], torch.stack(probs[i]), confidence[i]))
         return out

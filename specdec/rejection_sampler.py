@@ -24,11 +24,23 @@ target distribution. A one-hot ``q`` (n-gram proposals, greedy drafts) accepts w
 Acceptance is tested as ``u * q(x) < p(x)`` with ``u ~ U[0, 1)``, which equals ``u < min(1, p/q)``
 for ``q(x) > 0``, needs no division, never accepts a token with ``p(x) == 0`` and always accepts
 when ``p(x) >= q(x) > 0``.
+
+Seeded and greedy sequences are verified by a coupling instead (`coupled_verify`): the token
+committed at each position is the one the target's distribution picks on its own, so it does not
+depend on the drafts at all. A seeded sequence picks every token by an exponential race on noise
+keyed by (seed, position) (`engine.sampling.sample`); the draft proposes the winner of the same
+race on its own distribution (``argmax q/E``, the same ``E``), and a draft is accepted iff it is
+the target's winner (``argmax p/E``). At the first mismatch, or as the bonus, the target's winner
+is emitted. Each committed token is then an exact sample of ``p`` (the race at a position uses
+noise independent of every earlier position, on which ``p`` depends) and equals what plain decode
+commits at that position, for any k, batch or arm. A greedy sequence is the same rule with the
+argmax for the winner. The price is acceptance: the draft's and the target's winners agree with
+probability ``sum_i 1 / sum_j max(p_j / p_i, q_j / q_i)``, which never exceeds the rejection
+rule's ``sum_i min(p_i, q_i)`` (``evals/coupling_cost.py`` measures both).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +61,6 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,  # [B, K], -1 past num_draft_tokens
     draft_probs: torch.Tensor | None,  # [B, K, V], or None for one-hot q
     num_draft_tokens: torch.Tensor,  # [B] int in 0..K
-    generators: Sequence[torch.Generator | None],
 ) -> RejectionResult:
     """Verify drafts against target distributions, one speculative step for ``B`` sequences.
 
@@ -60,9 +71,7 @@ def rejection_sample(
         draft_probs: the distributions the drafts were sampled from, or None when each draft was
             chosen deterministically (q one-hot at the draft token).
         num_draft_tokens: number of real drafts per sequence; 0 samples row 0 like plain decode.
-        generators: per sequence; a sequence with a generator takes all of its randomness from it
-            (exactly ``n_b`` uniforms, then the final token's draw via `engine.sampling.sample`),
-            so its result does not depend on the other sequences in the batch.
+            Randomness comes from the device's default generator.
 
     Returns:
         `RejectionResult` with accepted drafts, the replacement or bonus token, -1 padding.
@@ -78,9 +87,6 @@ def rejection_sample(
         raise ValueError(
             f"draft_probs must be [{batch}, {k}, {vocab}], got {tuple(draft_probs.shape)}"
         )
-    if len(generators) != batch:
-        raise ValueError(f"got {len(generators)} generators for {batch} sequences")
-    # One host read: the number of uniforms each seeded sequence draws must be its own n_b.
     n_host = [int(n) for n in num_draft_tokens.tolist()]
     if any(not 0 <= n <= k for n in n_host):
         raise ValueError(f"num_draft_tokens must lie in [0, {k}], got {n_host}")
@@ -97,7 +103,7 @@ def rejection_sample(
     else:
         draft_probs = draft_probs.to(device=device, dtype=torch.float32)
         q_at_draft = draft_probs.gather(2, drafts[:, :, None]).squeeze(2)  # [B, K]
-    uniforms = _draw_uniforms(batch, k, n_host, generators, device)  # [B, K]
+    uniforms = torch.rand(batch, k, device=device)  # [B, K]
     accepted = (uniforms * q_at_draft < p_at_draft) & valid  # [B, K]
     # Accepted prefix length: count leading accepts (cumprod zeroes everything after a reject).
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
@@ -116,7 +122,7 @@ def rejection_sample(
         # An all-zero residual means p == q up to rounding; p itself is then the right answer.
         use_residual = rejected[:, None] & (mass > 0)
         final_dist = torch.where(use_residual, residual / mass.clamp_min(1e-30), final_dist)
-    final_token = sample(final_dist, generators)  # [B]
+    final_token = sample(final_dist)  # [B]
 
     out = torch.full((batch, k + 1), -1, dtype=torch.long, device=device)
     keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]  # [B, K]
@@ -125,23 +131,33 @@ def rejection_sample(
     return RejectionResult(output_token_ids=out, num_accepted=num_accepted)
 
 
-def _draw_uniforms(
-    batch: int,
-    k: int,
-    n_host: Sequence[int],
-    generators: Sequence[torch.Generator | None],
-    device: torch.device,
-) -> torch.Tensor:
-    """``[batch, k]`` uniforms in [0, 1): seeded sequences draw exactly ``n_b`` from their own
-    generator, the rest share one draw from the default generator; padding entries are unused."""
-    uniforms = torch.zeros(batch, k, dtype=torch.float32, device=device)
-    if k == 0:
-        return uniforms
-    shared = [b for b in range(batch) if generators[b] is None]
-    if shared:
-        idx = torch.tensor(shared, device=device)
-        uniforms.index_copy_(0, idx, torch.rand(len(shared), k, device=device))
-    for b, gen in enumerate(generators):
-        if gen is not None and n_host[b] > 0:
-            uniforms[b, : n_host[b]] = torch.rand(n_host[b], generator=gen, device=device)
-    return uniforms
+def coupled_verify(
+    target_tokens: torch.Tensor,  # [B, K + 1] the target's pick at each row; unread past n_b
+    draft_token_ids: torch.Tensor,  # [B, K], entries past num_draft_tokens ignored
+    num_draft_tokens: torch.Tensor,  # [B] int in 0..K
+) -> RejectionResult:
+    """Verify by the coupling (module docstring): accept drafts while each equals the target's
+    pick at its row, then emit the target's pick at the first mismatch (or the bonus row).
+
+    ``target_tokens[b, j]`` is the token the target commits at row ``j`` on its own: the argmax
+    for a greedy sequence, the exponential race on the (seed, position) noise for a seeded one.
+    No randomness is drawn here.
+    """
+    batch, k_plus_1 = target_tokens.shape
+    k = k_plus_1 - 1
+    device = target_tokens.device
+    if draft_token_ids.shape != (batch, k):
+        raise ValueError(
+            f"draft_token_ids must be [{batch}, {k}], got {tuple(draft_token_ids.shape)}"
+        )
+    n = num_draft_tokens.to(device=device, dtype=torch.long)  # [B]
+    if bool(((n < 0) | (n > k)).any()):
+        raise ValueError(f"num_draft_tokens must lie in [0, {k}], got {n.tolist()}")
+    drafts = draft_token_ids.to(device=device, dtype=torch.long)
+    pos = torch.arange(k, device=device)[None, :]
+    match = (drafts == target_tokens[:, :k]) & (pos < n[:, None])  # [B, K]
+    num_accepted = match.long().cumprod(dim=1).sum(dim=1)  # [B]
+    out = torch.full((batch, k + 1), -1, dtype=torch.long, device=device)
+    out[:, :k] = torch.where(pos < num_accepted[:, None], drafts, -1)
+    out.scatter_(1, num_accepted[:, None], target_tokens.gather(1, num_accepted[:, None]))
+    return RejectionResult(output_token_ids=out, num_accepted=num_accepted)

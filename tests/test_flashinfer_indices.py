@@ -35,7 +35,7 @@ from engine.gpu_sampling import (
     verify_drafts,
     warp_probs,
 )
-from engine.sampling import RowContext, compute_probs, make_generator
+from engine.sampling import RowContext, compute_probs
 from engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -275,28 +275,26 @@ def test_probs_for_rows_applies_penalties_before_the_kernels_warp() -> None:
         probs_for_rows(logits, rows[:2], TorchKernels())
 
 
-def test_torch_kernels_draw_by_row_position() -> None:
-    """Negative control: one call shares one stream, so a row's draw depends on its position
-    (as in FlashInfer). The seeding tests below would fail if seeded rows were batched."""
-    probs = torch.full((2, 1000), 1e-3)
-    outs = {tuple(TorchKernels().sample(probs, make_generator(5, CPU)).tolist()) for _ in range(2)}
-    assert len(outs) == 1 and len(set(next(iter(outs)))) == 2
-
-
 def test_seeded_rows_do_not_depend_on_position() -> None:
     vocab, kernels = 300, TorchKernels()
     probs = torch.softmax(torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)), -1)
 
     def draws(row: int) -> list[int]:
-        gens = [None] * 5
-        gens[row] = make_generator(42, CPU)
+        seeds: list[int | None] = [None, 3, None, 4, None]
+        seeds[row] = 42
         order = list(range(5))
         order[0], order[row] = order[row], order[0]  # put row 0's distribution at `row`
         batch = probs[order]
-        return [int(sample_from_probs(batch, [False] * 5, gens, kernels)[row]) for _ in range(6)]
+        out = []
+        for pos in range(6):
+            positions = [pos + 10 * b for b in range(5)]
+            positions[row] = pos
+            out.append(int(sample_from_probs(batch, [False] * 5, seeds, positions, kernels)[row]))
+        return out
 
     assert draws(0) == draws(3) == draws(4)
-    greedy = sample_from_probs(probs, [True] * 5, [None] * 5, kernels)
+    assert len(set(draws(0))) > 1  # positions really change the draw
+    greedy = sample_from_probs(probs, [True] * 5, [None, 1, None, 2, None], [0] * 5, kernels)
     assert torch.equal(greedy, probs.argmax(-1))
 
 
@@ -310,8 +308,8 @@ def _verify_inputs(batch: int, k: int, vocab: int, seed: int):
 
 @pytest.mark.parametrize("one_hot_q", [False, True])
 def test_verify_rows_equal_single_row_calls(one_hot_q: bool) -> None:
-    """Seeded rows: each equals a lone call with a fresh generator of the same seed; greedy rows
-    equal the reference exactly; layout: -1 after the final token."""
+    """Seeded rows: each equals a lone call with the same seed and position; greedy and seeded
+    rows equal the reference exactly; layout: -1 after the final token."""
     batch, k, vocab = 7, 4, 40
     target, drafts, q = _verify_inputs(batch, k, vocab, seed=1)
     n = [2, 0, 2, 4, 1, 3, 2]  # rows 0, 2, 6: two seeded and one unseeded with two drafts
@@ -320,25 +318,26 @@ def test_verify_rows_equal_single_row_calls(one_hot_q: bool) -> None:
     target[5] = torch.nn.functional.one_hot(target[5].argmax(-1), vocab).float()
     drafts[3, :2] = target[3, :2].argmax(-1)  # greedy row accepting two drafts, then a reject
     seeds = [11, 12, None, None, 15, None, 17]
-    gens = [None if s is None else make_generator(s, CPU) for s in seeds]
+    positions = [40 + 3 * b for b in range(batch)]
     q_in = None if one_hot_q else q
-    res = verify_drafts(target, drafts, q_in, n, greedy, gens, TorchKernels())
-    ref = verify_drafts(target, drafts, q_in, n, greedy, [None] * batch)  # reference path
+    res = verify_drafts(target, drafts, q_in, n, greedy, seeds, positions, TorchKernels())
+    ref = verify_drafts(target, drafts, q_in, n, greedy, seeds, positions)  # reference path
     for b in range(batch):
         acc = int(res.num_accepted[b])
         assert 0 <= acc <= n[b]
         row = res.output_token_ids[b].tolist()
         assert row[:acc] == drafts[b, :acc].tolist() and all(t == -1 for t in row[acc + 1 :])
-        if greedy[b]:
+        if greedy[b] or seeds[b] is not None:  # picked rows: no randomness but the seed's
             assert row == ref.output_token_ids[b].tolist()
-        elif seeds[b] is not None:
+        if seeds[b] is not None:
             alone = verify_drafts(
                 target[b : b + 1],
                 drafts[b : b + 1],
                 None if q_in is None else q_in[b : b + 1],
                 [n[b]],
                 [False],
-                [make_generator(seeds[b], CPU)],
+                [seeds[b]],
+                [positions[b]],
                 TorchKernels(),
             )
             assert row == alone.output_token_ids[0].tolist()
@@ -371,8 +370,10 @@ def first_token_p_values(verify, seed: int) -> list[float]:
 
 def test_batched_verify_follows_target_distribution() -> None:
     def batched(target, drafts, q, n):
-        gens = [None] * len(n)
-        res = verify_drafts(target, drafts, q, n, [False] * len(n), gens, TorchKernels())
+        free = [None] * len(n)
+        res = verify_drafts(
+            target, drafts, q, n, [False] * len(n), free, [0] * len(n), TorchKernels()
+        )
         return res.output_token_ids
 
     def misrouted(target, drafts, q, n):  # wrong: results land one row off
@@ -424,9 +425,9 @@ def test_flashinfer_sampling_matches_torch_kernels() -> None:
     assert (got - want).abs().max() < 1e-4
 
     def batched(target, drafts, q, n):
-        gens = [None] * len(n)
+        free, rows = [None] * len(n), len(n)
         res = verify_drafts(
-            target.to(dev), drafts.to(dev), q.to(dev), n, [False] * len(n), gens, kernels
+            target.to(dev), drafts.to(dev), q.to(dev), n, [False] * rows, free, [0] * rows, kernels
         )
         return res.output_token_ids.cpu()
 

@@ -1,4 +1,4 @@
-"""Rejection sampling: statistical losslessness, greedy exactness, padding, seeding.
+"""Rejection sampling: statistical losslessness, greedy exactness, padding.
 
 The statistical tests simulate whole speculative decodes over a tiny vocabulary. Target and draft
 are first-order Markov chains: the next-token distributions ``P[c]`` and ``Q[c]`` depend on the
@@ -12,13 +12,13 @@ reject two deliberately wrong samplers, which shows it has the power to catch re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 import torch
 from scipy import stats
 
-from engine.sampling import make_generator, sample
+from engine.sampling import sample
 from specdec.rejection_sampler import RejectionResult, rejection_sample
 
 VOCAB = 8
@@ -40,12 +40,11 @@ def always_accept_sampler(
     draft_token_ids: torch.Tensor,  # [B, K]
     draft_probs: torch.Tensor | None,
     num_draft_tokens: torch.Tensor,  # [B]
-    generators: Sequence[torch.Generator | None],
 ) -> RejectionResult:
     """Wrong: accepts every draft, then a bonus token from p_n."""
     batch = target_probs.shape[0]
     n = num_draft_tokens.long()
-    bonus = sample(target_probs[torch.arange(batch), n], generators)
+    bonus = sample(target_probs[torch.arange(batch), n])
     return _assemble(draft_token_ids, n, bonus)
 
 
@@ -54,7 +53,6 @@ def resample_from_p_sampler(
     draft_token_ids: torch.Tensor,  # [B, K]
     draft_probs: torch.Tensor | None,  # [B, K, V]
     num_draft_tokens: torch.Tensor,  # [B]
-    generators: Sequence[torch.Generator | None],
 ) -> RejectionResult:
     """Wrong: accepts with probability min(1, p/q) but replaces from p instead of the residual."""
     batch, k_plus_1, _ = target_probs.shape
@@ -70,7 +68,7 @@ def resample_from_p_sampler(
     )
     accepted = (torch.rand(batch, k) * q < p) & valid
     num_accepted = accepted.long().cumprod(1).sum(1)
-    final = sample(target_probs[torch.arange(batch), num_accepted], generators)
+    final = sample(target_probs[torch.arange(batch), num_accepted])
     return _assemble(draft_token_ids, num_accepted, final)
 
 
@@ -146,7 +144,7 @@ def simulate(
         target_probs[torch.cat([torch.zeros(TRIALS, 1, dtype=torch.bool), pad], dim=1)] = nan
         if draft_probs is not None:
             draft_probs[pad] = nan
-        res = sampler(target_probs, drafts, draft_probs, n, [None] * TRIALS)
+        res = sampler(target_probs, drafts, draft_probs, n)
         out, acc = res.output_token_ids, res.num_accepted
         for i in range(K + 1):
             take = (i <= acc) & (count < NUM_TOKENS)
@@ -218,7 +216,7 @@ def test_acceptance_rate_matches_overlap() -> None:
     drafts = torch.multinomial(q[START], trials, replacement=True)[:, None]  # [T, 1]
     target = p[START].expand(trials, 2, VOCAB).contiguous()
     draft_probs = q[START].expand(trials, 1, VOCAB).contiguous()
-    res = rejection_sample(target, drafts, draft_probs, torch.ones(trials), [None] * trials)
+    res = rejection_sample(target, drafts, draft_probs, torch.ones(trials))
     rate = res.num_accepted.double().mean().item()
     overlap = torch.minimum(p[START], q[START]).sum().item()
     stderr = (overlap * (1 - overlap) / trials) ** 0.5
@@ -248,8 +246,7 @@ def test_greedy_target_follows_argmax_prefix_rule(with_draft_probs: bool) -> Non
     if with_draft_probs:
         # q puts mass on the drafted token and elsewhere, including on the target's argmax.
         draft_probs = torch.softmax(torch.randn(batch, k, vocab), dim=-1)
-    gens = [make_generator(i, "cpu") if i % 2 else None for i in range(batch)]
-    res = rejection_sample(target, drafts, draft_probs, n, gens)
+    res = rejection_sample(target, drafts, draft_probs, n)
     lengths = set()
     for b in range(batch):
         expected = []
@@ -265,29 +262,12 @@ def test_greedy_target_follows_argmax_prefix_rule(with_draft_probs: bool) -> Non
     assert lengths == set(range(1, k + 2))
 
 
-# ---------------------------------------------------------------- padding, shapes, seeding
-
-
-def test_zero_drafts_equals_plain_decode_with_same_seed() -> None:
-    vocab = 32
-    torch.manual_seed(5)
-    target = torch.softmax(torch.randn(3, 3, vocab), dim=-1)
-    drafts = torch.full((3, 2), -1)
-    n = torch.zeros(3, dtype=torch.long)
-    for _ in range(5):
-        seeds = torch.randint(0, 1000, (3,)).tolist()
-        res = rejection_sample(target, drafts, None, n, [make_generator(s, "cpu") for s in seeds])
-        plain = sample(target[:, 0], [make_generator(s, "cpu") for s in seeds])
-        assert res.num_accepted.tolist() == [0, 0, 0]
-        assert res.output_token_ids[:, 0].tolist() == plain.tolist()
-        assert (res.output_token_ids[:, 1:] == -1).all()
+# ---------------------------------------------------------------- padding, shapes
 
 
 def test_no_draft_slots_at_all() -> None:
     target = torch.softmax(torch.randn(2, 1, 10), dim=-1)
-    res = rejection_sample(
-        target, torch.empty(2, 0, dtype=torch.long), None, torch.zeros(2), [None, None]
-    )
+    res = rejection_sample(target, torch.empty(2, 0, dtype=torch.long), None, torch.zeros(2))
     assert res.output_token_ids.shape == (2, 1)
     assert res.num_accepted.tolist() == [0, 0]
     assert (res.output_token_ids >= 0).all()
@@ -301,7 +281,7 @@ def test_output_shape_dtype_and_padding_mixed_batch() -> None:
     drafts = torch.multinomial(draft_probs.reshape(-1, vocab), 1).reshape(batch, k)
     n = torch.arange(batch) % (k + 1)
     drafts[torch.arange(k)[None, :] >= n[:, None]] = -1
-    res = rejection_sample(target, drafts, draft_probs, n, [None] * batch)
+    res = rejection_sample(target, drafts, draft_probs, n)
     out, acc = res.output_token_ids, res.num_accepted
     assert out.shape == (batch, k + 1) and out.dtype == torch.int64
     assert acc.shape == (batch,) and acc.dtype == torch.int64
@@ -314,64 +294,13 @@ def test_output_shape_dtype_and_padding_mixed_batch() -> None:
     assert set(acc.tolist()) == {0, 1, 2, 3}
 
 
-def test_seeded_sequence_independent_of_batch_and_padding_width() -> None:
-    vocab = 10
-    torch.manual_seed(9)
-    target = torch.softmax(torch.randn(1, 3, vocab) * 0.3, dim=-1)  # n = 2 real drafts
-    draft_probs = torch.softmax(torch.randn(1, 2, vocab) * 0.3, dim=-1)
-    drafts = torch.multinomial(draft_probs[0], 1).T  # [1, 2]
-    alone = [
-        rejection_sample(target, drafts, draft_probs, torch.tensor([2]), [make_generator(s, "cpu")])
-        for s in range(30)
-    ]
-    # The same sequence in slot 1 of a batch padded to K = 4, next to seeded and unseeded rows.
-    other_t = torch.softmax(torch.randn(2, 5, vocab), dim=-1)
-    other_q = torch.softmax(torch.randn(2, 4, vocab), dim=-1)
-    big_t = torch.cat(
-        [other_t[:1], torch.cat([target, torch.full((1, 2, vocab), 0.1)], 1), other_t[1:]]
-    )
-    big_q = torch.cat(
-        [other_q[:1], torch.cat([draft_probs, torch.full((1, 2, vocab), 0.1)], 1), other_q[1:]]
-    )
-    big_d = torch.tensor(
-        [[1, 2, 3, 4], [int(drafts[0, 0]), int(drafts[0, 1]), -1, -1], [0, 0, 0, 0]]
-    )
-    n = torch.tensor([4, 2, 3])
-    outcomes = set()
-    for s in range(30):
-        gens = [make_generator(1000 + s, "cpu"), make_generator(s, "cpu"), None]
-        res = rejection_sample(big_t, big_d, big_q, n, gens)
-        assert res.num_accepted[1] == alone[s].num_accepted[0]
-        assert res.output_token_ids[1, :3].tolist() == alone[s].output_token_ids[0].tolist()
-        outcomes.add(tuple(alone[s].output_token_ids[0].tolist()))
-    assert len(outcomes) > 5  # seeds really change the outcome: the comparison is not vacuous
-
-
-def test_same_seed_reproduces_whole_batch() -> None:
-    batch, k, vocab = 16, 3, 20
-    torch.manual_seed(10)
-    target = torch.softmax(torch.randn(batch, k + 1, vocab), dim=-1)
-    draft_probs = torch.softmax(torch.randn(batch, k, vocab), dim=-1)
-    drafts = torch.multinomial(draft_probs.reshape(-1, vocab), 1).reshape(batch, k)
-    n = torch.full((batch,), k)
-
-    def run(seed_base: int) -> RejectionResult:
-        gens = [make_generator(seed_base + b, "cpu") for b in range(batch)]
-        return rejection_sample(target, drafts, draft_probs, n, gens)
-
-    a, b, c = run(0), run(0), run(500)
-    assert torch.equal(a.output_token_ids, b.output_token_ids)
-    assert torch.equal(a.num_accepted, b.num_accepted)
-    assert not torch.equal(a.output_token_ids, c.output_token_ids)
-
-
 def test_residual_all_zero_falls_back_to_target() -> None:
     # Inconsistent input (the draft token has q == 0) with p == q, so max(0, p - q) is all zero;
     # the rule must still emit a valid token from p, never NaN garbage.
     target = torch.tensor([[[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]]])
     draft_probs = torch.tensor([[[0.0, 1.0, 0.0]]])
     drafts = torch.tensor([[0]])  # p(0) = 0 so it is rejected; residual max(0, p - q) == 0
-    res = rejection_sample(target, drafts, draft_probs, torch.tensor([1]), [None])
+    res = rejection_sample(target, drafts, draft_probs, torch.tensor([1]))
     assert res.output_token_ids.tolist() == [[1, -1]]
     assert res.num_accepted.tolist() == [0]
 
@@ -380,12 +309,8 @@ def test_validation_errors() -> None:
     target = torch.softmax(torch.randn(2, 3, 5), dim=-1)
     drafts = torch.zeros(2, 2, dtype=torch.long)
     with pytest.raises(ValueError):
-        rejection_sample(target, drafts, None, torch.tensor([3, 0]), [None, None])
+        rejection_sample(target, drafts, None, torch.tensor([3, 0]))
     with pytest.raises(ValueError):
-        rejection_sample(
-            target, torch.zeros(2, 3, dtype=torch.long), None, torch.zeros(2), [None] * 2
-        )
+        rejection_sample(target, torch.zeros(2, 3, dtype=torch.long), None, torch.zeros(2))
     with pytest.raises(ValueError):
-        rejection_sample(target, drafts, torch.zeros(2, 2, 4), torch.zeros(2), [None] * 2)
-    with pytest.raises(ValueError):
-        rejection_sample(target, drafts, None, torch.zeros(2), [None])
+        rejection_sample(target, drafts, torch.zeros(2, 2, 4), torch.zeros(2))

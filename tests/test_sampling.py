@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from engine.sampling import RowContext, compute_probs, make_generator, sample
+from engine.sampling import RowContext, compute_probs, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -267,57 +267,67 @@ def test_same_seed_same_tokens_regardless_of_batch_position_and_company() -> Non
     probs = torch.softmax(torch.randn(6, vocab), dim=1)
     target_row = probs[2]
 
-    def draw_seq(batch_probs: torch.Tensor, pos: int, others: list[torch.Generator | None]) -> list:
-        gen = make_generator(1234, "cpu")
+    def draw_seq(batch_probs: torch.Tensor, row: int, others: list[int | None]) -> list[int]:
         tokens = []
-        for _ in range(20):
-            gens = list(others)
-            gens.insert(pos, gen)
-            tokens.append(sample(batch_probs, gens)[pos].item())
+        for pos in range(20):
+            seeds = list(others)
+            seeds.insert(row, 1234)
+            positions = [pos + 3 * i for i in range(len(seeds))]
+            positions[row] = pos
+            tokens.append(sample(batch_probs, seeds, positions)[row].item())
         return tokens
 
     alone = draw_seq(target_row[None], 0, [])
     # Same row at another position, next to unseeded rows and to rows with other seeds.
     batch = torch.stack([probs[0], probs[5], target_row, probs[1]])
-    others = [None, make_generator(7, "cpu"), None]
-    assert draw_seq(batch, 2, others) == alone
+    assert draw_seq(batch, 2, [None, 7, None]) == alone
     batch = torch.stack([target_row, probs[4]])
-    assert draw_seq(batch, 0, [make_generator(99, "cpu")]) == alone
+    assert draw_seq(batch, 0, [99]) == alone
+    # Unseeded draws in between change nothing: the stream keeps no state.
+    sample(probs, [None] * 6)
+    assert draw_seq(target_row[None], 0, []) == alone
     # A different seed gives a different stream (the check above is not vacuous).
-    gen = make_generator(4321, "cpu")
-    other = [sample(target_row[None], [gen]).item() for _ in range(20)]
+    other = [sample(target_row[None], [4321], [pos]).item() for pos in range(20)]
     assert other != alone
 
 
-def test_one_hot_rows_return_argmax_and_consume_no_randomness() -> None:
-    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
-    gen = make_generator(5, "cpu")
-    state = gen.get_state()
-    tokens = sample(probs[:1], [gen])
-    assert tokens.tolist() == [2]
-    assert torch.equal(gen.get_state(), state)
-    sample(probs[1:], [gen])
-    assert not torch.equal(gen.get_state(), state)
+def test_one_hot_rows_return_their_token_whatever_the_noise() -> None:
+    probs = torch.zeros(4, 6)
+    probs[0, 2] = probs[1, 5] = probs[2, 0] = probs[3, 3] = 1.0
+    for pos in range(20):
+        assert sample(probs, [pos, None, 3, None], [pos] * 4).tolist() == [2, 5, 0, 3]
 
 
 def test_sample_never_picks_zero_probability_tokens() -> None:
     probs = torch.zeros(4, 1000)
     probs[:, 7] = 0.5
     probs[:, 990] = 0.5
-    gens = [make_generator(i, "cpu") for i in range(2)] + [None, None]
-    for _ in range(50):
-        assert set(sample(probs, gens).tolist()) <= {7, 990}
+    for pos in range(50):
+        assert set(sample(probs, [0, 1, None, None], [pos] * 4).tolist()) <= {7, 990}
 
 
-@pytest.mark.parametrize("seeded", [True, False])
-def test_sample_frequencies_match_probs(seeded: bool) -> None:
+def test_sample_checks_seeds_and_positions() -> None:
+    probs = torch.full((2, 4), 0.25)
+    with pytest.raises(ValueError, match="seeds"):
+        sample(probs, [1])
+    with pytest.raises(ValueError, match="position"):
+        sample(probs, [1, None])
+    with pytest.raises(ValueError, match="position"):
+        sample(probs, [1, None], [0])
+
+
+@pytest.mark.parametrize("stream", ["unseeded", "across_seeds", "across_positions"])
+def test_sample_frequencies_match_probs(stream: str) -> None:
     probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
     draws = 24_000
     batch = probs.expand(draws, -1).contiguous()
-    gens = [make_generator(i, "cpu") for i in range(draws)] if seeded else [None] * draws
-    if not seeded:
-        torch.manual_seed(2024)
-    tokens = sample(batch, gens)
+    torch.manual_seed(2024)
+    if stream == "unseeded":
+        tokens = sample(batch)
+    elif stream == "across_seeds":
+        tokens = sample(batch, list(range(draws)), [5] * draws)
+    else:
+        tokens = sample(batch, [77] * draws, list(range(draws)))
     counts = torch.bincount(tokens, minlength=6).double()
     assert counts[2].item() == 0
     support = probs > 0
@@ -328,18 +338,6 @@ def test_sample_frequencies_match_probs(seeded: bool) -> None:
     wrong = torch.tensor([0.07, 0.28, 0.15, 0.4, 0.1], dtype=torch.float64)
     _, p_wrong = stats.chisquare(counts[support].numpy(), (wrong / wrong.sum() * draws).numpy())
     assert p_wrong < 1e-4
-
-
-def test_make_generator() -> None:
-    a = torch.rand(5, generator=make_generator(42, "cpu"))
-    b = torch.rand(5, generator=make_generator(42, "cpu"))
-    assert torch.equal(a, b)
-    c = torch.rand(5, generator=make_generator(None, "cpu"))
-    d = torch.rand(5, generator=make_generator(None, "cpu"))
-    assert not torch.equal(c, d)
-    # Out-of-range seeds are folded into the generator's range rather than rejected.
-    torch.rand(1, generator=make_generator(-3, "cpu"))
-    torch.rand(1, generator=make_generator(2**80 + 1, "cpu"))
 
 
 def test_vanishing_temperature_is_finite_and_near_greedy() -> None:
