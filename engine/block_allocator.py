@@ -3,8 +3,11 @@
 Verbs: ``can_allocate``, ``allocate(seq, n)``, ``free(seq)``, ``truncate(seq, n)``,
 ``match_prefix(seq)`` (lookup) and ``cache_computed_blocks(seq)`` (insert).
 
-A full block is hashed only after the target has computed it; the hash chains on the previous
-block's hash and the block keeps its token ids, so a hash collision is caught, not served. A block
+A full block is hashed only after the target has computed it. Its key is a SHA-256 digest of the
+previous block's key and its own token ids, so a key names the whole prefix up to and including
+the block: two blocks share a key only for the same prefix, or on a SHA-256 collision (no known
+way to find one; by chance about 2**-128 per pair of blocks). A hit also compares the block's own
+token ids with the sequence's, a cheap check of the table rather than of the prefix. A block
 whose last reference goes away keeps its hash and contents in an LRU free list, reusable by a
 later prefix hit until its slot is needed for new data. Blocks also record whether the *draft*
 model's K/V in them is valid, so a speculating sequence that hits the cache knows how far its draft
@@ -13,6 +16,8 @@ has to catch up.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -24,7 +29,7 @@ from engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
     draft_valid: bool = False
 
@@ -38,8 +43,12 @@ class NoFreeBlocksError(RuntimeError):
     """Raised by allocate() when the caller did not check can_allocate() first (a bug)."""
 
 
-def chain_hash(prev_hash: int | None, token_ids: Seq[int]) -> int:
-    return hash((prev_hash, tuple(token_ids)))
+def chain_hash(prev_hash: bytes | None, token_ids: Seq[int]) -> bytes:
+    """The prefix-cache key of a full block: SHA-256 of the previous block's key (nothing for the
+    first block) and the block's token ids as little-endian int64s. One digest per full block."""
+    digest = hashlib.sha256(prev_hash or b"")
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
 
 
 class BlockAllocator:
@@ -53,7 +62,7 @@ class BlockAllocator:
         # Blocks with ref_count 0, least recently freed first. Uncached blocks are put at the
         # front so they are reused before blocks that still hold a cached prefix.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block key -> block id
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -131,7 +140,7 @@ class BlockAllocator:
         tokens = seq.token_ids
         max_blocks = (len(tokens) - 1) // self.page_size
         self.prefix_queries += len(tokens)
-        prev: int | None = None
+        prev: bytes | None = None
         num_draft_blocks = 0
         draft_contiguous = True
         for i in range(max_blocks):

@@ -7,7 +7,8 @@ of it), but three other consumers only allocate later, once the pool is fixed:
   8 MiB device int workspace for every wrapper's schedule, the CUDA-graph wrappers included;
 * CUDA graphs: the static logits buffer every graph of a model writes (sized for its largest
   capture) and the graph pool, which keeps the transient tensors of the largest capture;
-* eager steps: the activations of the largest prompt chunk the scheduler may batch, and the
+* eager steps: the activations of the largest forward the scheduler may batch (prompt chunks for
+  the target, catch-up chunks for the draft: both held to ``max_num_batched_tokens``), and the
   logits of the rows that sample (verify rows of every sequence): the lm_head's output in the
   model dtype and the float32 copies sampling holds at once (`SAMPLING_FLOAT32_COPIES`).
 

@@ -93,6 +93,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             config.scheduling_policy,
+            draft_catches_up=self.draft is not None,
         )
         self.target_runner = self._make_runner(self.target, graph_q_lens)
         # FlashInfer's sampling kernels ride with its attention (same build, same start-up
@@ -164,6 +165,7 @@ class LLMEngine:
         cfg = self.config
         buckets = batch_buckets(cfg.max_num_seqs) if self._uses_graphs else []
         common = {
+            # Both models: the scheduler holds the draft's catch-up to the same token budget.
             "max_batched_tokens": cfg.max_num_batched_tokens,
             "max_sampled_rows": cfg.max_num_seqs * max(target_q_lens),
             "float_workspace_bytes": WORKSPACE_BYTES,
@@ -299,7 +301,9 @@ class LLMEngine:
         plan = self.scheduler.schedule(k_policy)
         if plan.is_empty:
             return []
-        spec_items = [s for s in plan.scheduled if s.num_spec_tokens > 0]
+        spec_items = [
+            s for s in plan.scheduled if s.num_spec_tokens > 0 or s.num_draft_catchup_tokens > 0
+        ]
         proposals: dict[int, Proposal] = {}
         draft_time = 0.0
         draft_forwards: list[tuple[int, int]] = []

@@ -3,9 +3,14 @@
 There are no prefill/decode phases. Every step, each running sequence is given what it still
 needs - ``num_tokens - num_computed_tokens`` target tokens (a prompt chunk, or 1 to decode) plus
 ``k`` draft tokens to verify when the speculation controller asks for them - capped by
-``max_num_batched_tokens``. Waiting sequences are admitted while the budget, ``max_num_seqs`` and
-the KV pool allow. When the pool runs dry, the newest running sequence is preempted (its blocks
-freed, to be recomputed later), so the oldest always make progress: no deadlock, no crash.
+``max_num_batched_tokens``. The draft model's first forward of a step is held to an equal budget
+of its own: it reads every token its K/V lacks (one or two after a verify, a whole prompt after a
+prefix-cache hit or a plain stretch) before drafting, and a sequence whose lag does not fit what
+is left drafts nothing this step: it reads a chunk of its lag (``num_draft_catchup_tokens``) and
+decodes plainly, until the rest fits. Waiting sequences are admitted while the budget,
+``max_num_seqs`` and the KV pool allow. When the pool runs dry, the newest running sequence is
+preempted (its blocks freed, to be recomputed later), so the oldest always make progress: no
+deadlock, no crash.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # committed tokens the target computes this step (chunk or 1)
     num_spec_tokens: int = 0  # k: draft tokens appended after them for verification
+    # Tokens the draft reads into its K/V this step without drafting (k = 0 while it catches up).
+    num_draft_catchup_tokens: int = 0
 
     @property
     def num_query_tokens(self) -> int:
@@ -64,12 +71,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        draft_catches_up: bool = False,
     ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
+        # Whether the proposer is a draft model that must read each token into its own K/V
+        # before drafting after it (an n-gram lookup reads nothing).
+        self.draft_catches_up = draft_catches_up
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -113,6 +124,7 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         ks = self._choose_ks(k_policy)
+        catchup = self._fit_draft_budget(ks)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -131,7 +143,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq preempted itself; the loop index now points at the next one
             self.allocator.allocate(seq, seq.num_computed_tokens + num_new + k)
-            plan.scheduled.append(ScheduledSeq(seq, num_new, k))
+            plan.scheduled.append(ScheduledSeq(seq, num_new, k, catchup.get(seq.seq_id, 0)))
             budget -= num_new + k
             i += 1
 
@@ -150,6 +162,32 @@ class Scheduler:
         for seq, k in zip(ready, ks, strict=True):
             out[seq.seq_id] = max(0, min(k, self._max_useful_k(seq)))
         return out
+
+    def _fit_draft_budget(self, ks: dict[int, int]) -> dict[int, int]:
+        """Hold the draft's first forward to ``max_num_batched_tokens`` rows. Sequences whose whole
+        lag (tokens since the draft last read) fits keep their k, oldest first; the others get
+        k = 0 and a catch-up chunk from what is left. Changes ``ks``; returns seq_id -> chunk.
+
+        Later draft forwards feed one row per drafting sequence, fewer than the target's rows."""
+        if not self.draft_catches_up:
+            return {}
+        budget = self.max_num_batched_tokens
+        behind: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if ks.get(seq.seq_id, 0) == 0:
+                continue
+            lag = seq.num_tokens - seq.num_draft_computed_tokens
+            if lag <= budget:
+                budget -= lag
+            else:
+                behind.append((seq, lag))
+        catchup: dict[int, int] = {}
+        for seq, lag in behind:
+            ks[seq.seq_id] = 0
+            if budget > 0:
+                catchup[seq.seq_id] = min(lag, budget)
+                budget -= catchup[seq.seq_id]
+        return catchup
 
     def _max_useful_k(self, seq: Sequence) -> int:
         """Drafts past max_tokens or max_model_len could never be committed: don't verify them."""

@@ -126,8 +126,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_draft_computed_tokens = 0
         self.block_table: list[int] = []
-        # Chained hashes of this sequence's full, computed blocks (prefix cache bookkeeping).
-        self.block_hashes: list[int] = []
+        # Chained keys (SHA-256 digests) of this sequence's full, computed blocks (prefix cache).
+        self.block_hashes: list[bytes] = []
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         self.spec_stats = SpecStats()

@@ -41,7 +41,8 @@ class Proposer(Protocol):
         self, items: list[ScheduledSeq], stop_rule: DraftStopRule | None = None
     ) -> list[Proposal]:
         """Draft up to item.num_spec_tokens tokens after each item's sequence (one per item),
-        fewer where ``stop_rule`` says a sequence should stop."""
+        fewer where ``stop_rule`` says a sequence should stop. An item with k = 0 and
+        ``num_draft_catchup_tokens`` only reads that many tokens into the draft's K/V."""
         ...
 
 
@@ -80,6 +81,8 @@ class DraftModelProposer:
     greedy requests take the argmax, seeded requests run the exponential race on the noise of the
     draft's (seed, position), so a draft is accepted whenever the target's pick agrees; unseeded
     sampled requests draw freely and keep the probabilities as q for the rejection rule.
+    The scheduler holds step 0 to the token budget: a sequence whose lag does not fit comes with
+    k = 0 and a chunk of it, which step 0 reads without logits.
     """
 
     name = "draft_model"
@@ -97,10 +100,11 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         confidence: list[list[float]] = [[] for _ in items]
         active = [i for i, it in enumerate(items) if it.num_spec_tokens > 0]
+        catchup = _catchup_entries(items)
         self.last_forwards = []
         step = 0
-        while active:
-            entries = []
+        while active or catchup:
+            entries = list(catchup)  # chunks read without logits ride in the first forward
             for i in active:
                 seq = items[i].seq
                 if step == 0:
@@ -111,6 +115,11 @@ class DraftModelProposer:
             logits = self.runner.run(entries)  # [len(active), vocab]
             self.num_forwards += 1
             self.last_forwards.append((sum(len(e.token_ids) for e in entries), len(entries)))
+            for e in catchup:
+                e.seq.num_draft_computed_tokens = e.start_pos + len(e.token_ids)
+            catchup = []
+            if not active:
+                break
             rows = [
                 RowContext(
                     items[i].seq.params,
@@ -154,6 +163,17 @@ class DraftModelProposer:
             else:
                 out.append(Proposal(tokens[i], torch.stack(probs[i]), confidence[i]))
         return out
+
+
+def _catchup_entries(items: list[ScheduledSeq]) -> list[RunEntry]:
+    """The chunks that sequences catching up (k = 0) read into the draft's K/V, without logits."""
+    out = []
+    for it in items:
+        n = it.num_draft_catchup_tokens
+        if it.num_spec_tokens == 0 and n > 0:
+            start = it.seq.num_draft_computed_tokens
+            out.append(RunEntry(it.seq, it.seq.token_ids[start : start + n], start, 0))
+    return out
 
 
 def _confidence(

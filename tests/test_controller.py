@@ -268,6 +268,22 @@ def test_a_probes_step_is_not_taken_for_what_speculation_pays() -> None:
     assert ctrl.realized.gain(1, ctrl._num_observed) is None
 
 
+def test_a_step_whose_draft_only_caught_up_is_not_taken_for_a_plain_step() -> None:
+    """A sequence whose draft lags more than the token budget reads a chunk of it and decodes
+    plainly: that step's time includes a draft forward, so it prices neither arm."""
+    ctrl = controller(0.365, flat_target(0.010), cost_probe_every=10**9, probe_every=10**9)
+    seqs = make_seqs(1)
+    for _ in range(20):
+        ctrl.choose_k(seqs)
+        catchup = StepObservation(0.060, 0.050, 0.010, 1, 1, [(32, 1)], [SeqOutcome(seqs[0], 0, 0)])
+        ctrl.observe(catchup)
+    assert (1, False) not in ctrl.realized._steps
+    for _ in range(2):
+        ctrl.choose_k(seqs)
+        ctrl.observe(StepObservation(0.010, 0.0, 0.010, 1, 1, [], [SeqOutcome(seqs[0], 0, 0)]))
+    assert len(ctrl.realized._steps[(1, False)]) == 2
+
+
 def test_realized_goodput_needs_enough_recent_steps_of_that_very_size() -> None:
     realized = RealizedGoodput(window=32, max_age=100, min_steps=8)
     for t in range(7):

@@ -131,3 +131,45 @@ def test_rollback_after_every_speculative_step():
             assert need(s.num_computed_tokens) <= len(s.block_table) <= need(s.num_tokens)
             seen_partial |= 0 < s.spec_stats.num_accepted_tokens < s.spec_stats.num_draft_tokens
     assert seen_partial
+
+
+@pytest.mark.parametrize(
+    "lags,budget,k_expected,catchup_expected",
+    [
+        ([1, 2, 1], 32, [4, 4, 4], [0, 0, 0]),  # steady decoding: every lag fits
+        ([30, 40], 32, [4, 0], [0, 2]),  # the oldest fits; the other reads what is left
+        ([100, 1, 2], 32, [0, 4, 4], [29, 0, 0]),  # one far behind does not stop the others
+        ([100, 50], 32, [0, 0], [32, 0]),  # oldest first: the second waits its turn
+        ([32, 1], 32, [4, 0], [0, 0]),  # a lag of exactly the budget fits; nothing is left
+    ],
+)
+def test_draft_catch_up_is_held_to_the_token_budget(lags, budget, k_expected, catchup_expected):
+    alloc = BlockAllocator(256, 4, enable_prefix_caching=False)
+    sched = Scheduler(alloc, 8, budget, 400, draft_catches_up=True)
+    seqs = [seq(i, 100) for i in range(len(lags))]
+    for s in seqs:
+        sched.add(s)
+    while any(s.num_computed_tokens < 100 for s in seqs):
+        for item in sched.schedule().scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+    for s, lag in zip(seqs, lags, strict=True):
+        s.append_token(99)  # decode-ready: the draft lags `lag` tokens behind
+        s.num_draft_computed_tokens = s.num_tokens - lag
+    plan = sched.schedule(lambda ready: [4] * len(ready))
+    assert [i.num_spec_tokens for i in plan.scheduled] == k_expected
+    assert [i.num_draft_catchup_tokens for i in plan.scheduled] == catchup_expected
+    drafting = sum(lag for lag, k in zip(lags, k_expected, strict=True) if k)
+    assert drafting + sum(catchup_expected) <= budget
+
+
+def test_without_a_draft_model_lag_is_not_counted():
+    """An n-gram proposer keeps no K/V: the draft's counts never move and nothing is chunked."""
+    alloc, sched = make(budget=32)
+    s = seq(0, 60)
+    sched.add(s)
+    while s.num_computed_tokens < 60:
+        for item in sched.schedule().scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+    s.append_token(99)
+    (item,) = sched.schedule(lambda ready: [4] * len(ready)).scheduled
+    assert (item.num_spec_tokens, item.num_draft_catchup_tokens) == (4, 0)

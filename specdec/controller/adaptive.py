@@ -1109,14 +1109,18 @@ class AdaptiveController:
         # Seconds at the reference speed: plain steps of a slow spell and speculating steps of
         # a fast one compare as the same machine; probes are priced in that unit too.
         step_s = obs.step_time / self.cost.speed_index
+        # Nor does a step whose draft forward only caught up (a lag over the token budget is read
+        # in chunks while the sequence decodes plainly): it is neither arm's price.
+        drafted = any(o.num_drafted > 0 for o in decodes)
         if (
             decode_only
             and all(o.seq.spec_mode == "auto" for o in decodes)
             and not self._probed_last_step(decodes)
+            and (drafted or not obs.draft_forwards)
         ):
             self.realized.observe(
                 len(decodes),
-                any(o.num_drafted > 0 for o in decodes),
+                drafted,
                 sum(1 + o.num_accepted for o in decodes),
                 step_s,
                 self._num_observed,
