@@ -13,6 +13,7 @@ from engine.config import (
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     SPECULATIVE_MODES,
+    SPECULATIVE_POLICIES,
     EngineConfig,
 )
 
@@ -21,9 +22,11 @@ HELP = {
     "directory or a .gguf file",
     "draft_model": "draft model for speculative_method=draft_model (same forms as --model)",
     "speculative_method": "how drafts are proposed",
-    "num_speculative_tokens": "k: draft tokens per step (the controller's k_max in auto mode)",
-    "speculative_mode": "default for requests that do not choose: auto (controller decides), "
+    "num_speculative_tokens": "k: draft tokens per step (the most the adaptive policy drafts)",
+    "speculative_mode": "default for requests that do not choose: auto (the policy decides), "
     "on (always k), off (plain decode)",
+    "speculative_policy": "how 'auto' requests get their k: adaptive (goodput from measured "
+    "acceptance and step cost, docs/controller.md) or fixed (always k)",
     "ngram_n_min": "shortest suffix the n-gram proposer matches",
     "ngram_n_max": "longest suffix the n-gram proposer matches",
     "dtype": "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)",
@@ -41,15 +44,17 @@ HELP = {
     "scheduling_policy": "fcfs, or spf (shortest prompt first, with aging)",
     "seed": "engine seed for requests without their own",
     "num_threads": "torch CPU threads (default: torch's choice)",
-    "controller_warmup": "time a few plain and verify steps at start-up to seed the cost model",
-    "stop_drafts_early": "let drafting 'auto' sequences draft up to k and stop each where the "
-    "draft's confidence says more forwards do not pay",
+    "controller_warmup": "time plain, verify and draft shapes at start-up to seed the adaptive "
+    "policy's cost model (cached per machine under $SPECDEC_HOME/calibration)",
+    "stop_drafts_early": "adaptive policy: drafting 'auto' sequences draft up to k and stop each "
+    "where the draft's confidence says more forwards do not pay",
     "enforce_eager": "never capture CUDA graphs (they need CUDA and the FlashInfer backend)",
 }
 
 CHOICES = {
     "speculative_method": SPECULATIVE_METHODS,
     "speculative_mode": SPECULATIVE_MODES,
+    "speculative_policy": SPECULATIVE_POLICIES,
     "dtype": DTYPES,
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,

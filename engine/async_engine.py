@@ -83,8 +83,9 @@ class EngineSnapshot:
     speculating_fraction: float = 0.0
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
-    # The adaptive controller's inputs: its fitted step-cost coefficients (``CostModel.to_dict``)
-    # and its engine-wide acceptance estimate per draft position; empty for other controllers.
+    # The adaptive policy's inputs: its step-cost terms (the machine's pace, the predicted time
+    # and goodput of its last decision) and its engine-wide acceptance estimate per draft
+    # position; empty for other policies.
     controller_costs: tuple[tuple[str, float], ...] = ()
     acceptance_estimate: tuple[float, ...] = ()
     loop_time: float = 0.0  # time.monotonic() of the iteration that published this
@@ -362,7 +363,7 @@ class AsyncEngine:
 
     def _publish_snapshot(self) -> None:
         engine = self.engine
-        controller = engine.controller.stats() if engine.proposer is not None else {}
+        controller = engine.policy.stats() if engine.policy is not None else {}
         self._snapshot = EngineSnapshot(
             num_running=len(engine.scheduler.running),
             num_waiting=len(engine.scheduler.waiting),

@@ -11,6 +11,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "none")
 SPECULATIVE_MODES = ("auto", "on", "off")
+SPECULATIVE_POLICIES = ("adaptive", "fixed")
 SCHEDULING_POLICIES = ("fcfs", "spf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -29,6 +30,7 @@ class EngineConfig:
     speculative_method: str = "draft_model"
     num_speculative_tokens: int = 6
     speculative_mode: str = "auto"
+    speculative_policy: str = "adaptive"
     ngram_n_min: int = 2
     ngram_n_max: int = 4
     dtype: str = "auto"
@@ -54,6 +56,11 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(msg)
 
+        check(
+            self.speculative_policy in SPECULATIVE_POLICIES,
+            f"speculative_policy must be one of {SPECULATIVE_POLICIES}, "
+            f"got {self.speculative_policy!r}",
+        )
         check(
             self.speculative_method in SPECULATIVE_METHODS,
             f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}",

@@ -6,6 +6,7 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -23,14 +24,26 @@ from engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner, RunEntry
 from engine.models.arch import ModelArch
 from engine.models.fused_ops import FusedOps, probe_fused_ops
-from engine.outputs import OutputState, RequestOutput, append_and_check, make_output
+from engine.outputs import (
+    OutputState,
+    RequestOutput,
+    StepTotals,
+    append_and_check,
+    make_output,
+)
 from engine.sampling import RowContext
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence, SequenceStatus, SpecStats
-from specdec.controller import build_controller
-from specdec.controller_base import SeqOutcome, StepObservation
-from specdec.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
+from specdec.controller import build_policy
+from specdec.controller.policy import (
+    PrefillShape,
+    SeqOutcome,
+    SpeculationPolicy,
+    StepObservation,
+)
+from specdec.controller.step_cost import ForwardShape
+from specdec.proposers import DraftModelProposer, Drafts, NgramProposer, Proposal, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +58,11 @@ class LLMEngine:
         target: LoadedModel | None = None,
         draft: LoadedModel | None = None,
         progress: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
+        # Seconds for every step time the engine measures (a replay injects simulated time).
+        self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -107,13 +123,24 @@ class LLMEngine:
             self.proposer = DraftModelProposer(runner, self.sampling_kernels)
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)
-        self.controller = build_controller(config, self)
+        self.policy: SpeculationPolicy | None = None
+        if self.proposer is not None:
+            draft_runner = getattr(self.proposer, "runner", None)
+            self.policy = build_policy(
+                config,
+                self.proposer.name,
+                self.target_runner,
+                draft_runner,
+                self.allocator,
+                self.dtype,
+                self.max_model_len,
+            )
         self.spec_stats = SpecStats()
+        self.step_totals = StepTotals()
         self._seq_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._states: dict[str, OutputState] = {}
         self.num_steps = 0
-        self._last_outcomes: list[SeqOutcome] = []
         per_block = bytes_per_block(archs, config.page_size, self.dtype)
         logger.info(
             "KV pool: %d blocks x %d tokens (%.2f GiB, shared by %s); %d sequences of "
@@ -294,51 +321,63 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        k_policy = self.controller.choose_k if self.proposer is not None else None
-        if k_policy is not None:
-            self.controller.expect_prefill(*self.scheduler.pending_prefill())
-        plan = self.scheduler.schedule(k_policy)
+        """One engine step: plan, choose drafts, draft, verify in one target forward, commit.
+
+        The data flows forward: the scheduler's plan goes to the policy, its decision back to the
+        scheduler (trimmed to the budget and the pool) and to the proposer, the drafts to the
+        verifier, and what the step measured to the policy."""
+        t0 = self.clock()
+        plan = self.scheduler.schedule_running()
+        ready = plan.decode_ready if self.policy is not None else []
+        stop = None
+        if ready:
+            assert self.policy is not None
+            prefill = PrefillShape(*self.scheduler.pending_prefill(plan))
+            decision = self.policy.decide([s.seq for s in ready], prefill)
+            self.scheduler.add_drafts(plan, ready, decision.ks)
+            stop = decision.stop
+        self.scheduler.admit(plan)
         if plan.is_empty:
             return []
-        spec_items = [
+        drafting = [
             s for s in plan.scheduled if s.num_spec_tokens > 0 or s.num_draft_catchup_tokens > 0
         ]
-        proposals: dict[int, Proposal] = {}
-        draft_time = 0.0
-        draft_forwards: list[tuple[int, int]] = []
-        if spec_items:
+        drafts = Drafts([])
+        td = self.clock()
+        if drafting:
             assert self.proposer is not None
-            td = time.perf_counter()
-            stop_rule = (
-                self.controller.keep_drafting if self.controller.stops_drafts_early else None
-            )
-            props = self.proposer.propose(spec_items, stop_rule)
-            for item, prop in zip(spec_items, props, strict=True):
+            drafts = self.proposer.propose(drafting, stop)
+            for item, prop in zip(drafting, drafts.proposals, strict=True):
                 item.num_spec_tokens = len(prop.token_ids)
-                proposals[item.seq.seq_id] = prop
-            draft_time = time.perf_counter() - td
-            draft_forwards = list(self.proposer.last_forwards)
-        tt = time.perf_counter()
-        outputs = self._verify_and_commit(plan, proposals)
-        target_time = time.perf_counter() - tt
+        proposals = {
+            item.seq.seq_id: prop for item, prop in zip(drafting, drafts.proposals, strict=True)
+        }
+        draft_seconds = self.clock() - td
+        target_shape = _target_shape(plan)
+        outputs, outcomes = self._verify_and_commit(plan, proposals)
         self.num_steps += 1
-        self.controller.observe(
-            StepObservation(
-                step_time=time.perf_counter() - t0,
-                draft_time=draft_time,
-                target_time=target_time,
-                num_target_tokens=plan.num_batched_tokens,
-                num_seqs=len(plan.scheduled),
-                draft_forwards=draft_forwards,
-                outcomes=self._last_outcomes,
-            )
+        step_seconds = self.clock() - t0
+        self.step_totals.add(
+            StepTotals(1, step_seconds, draft_seconds, step_seconds - draft_seconds)
         )
+        if self.policy is not None:
+            # A lookup proposer's time is host work beside the target's: no draft forward to fit.
+            if not drafts.forwards:
+                draft_seconds = 0.0
+            self.policy.observe(
+                StepObservation(
+                    target_shape,
+                    step_seconds - draft_seconds,
+                    drafts.forwards,
+                    draft_seconds,
+                    outcomes,
+                )
+            )
         return outputs
 
     def _verify_and_commit(
         self, plan: StepPlan, proposals: dict[int, Proposal]
-    ) -> list[RequestOutput]:
+    ) -> tuple[list[RequestOutput], list[SeqOutcome]]:
         entries: list[RunEntry] = []
         for s in plan.scheduled:
             seq = s.seq
@@ -349,12 +388,10 @@ class LLMEngine:
             num_logits = 1 + len(drafts) if s.completes_prompt else 0
             entries.append(RunEntry(seq, tokens + drafts, seq.num_computed_tokens, num_logits))
         logits = self.target_runner.run(entries)  # [rows needing sampling, vocab]
-        # On a GPU the forward is still running: the controller's host work overlaps it here.
-        self.controller.while_target_runs()
 
         sampling = [(s, e) for s, e in zip(plan.scheduled, entries, strict=True) if e.num_logits]
         accepted: dict[int, list[int]] = {}
-        self._last_outcomes = []
+        outcomes: list[SeqOutcome] = []
         if sampling:
             accepted = self._sample(sampling, proposals, logits)
 
@@ -373,7 +410,7 @@ class LLMEngine:
                     seq.spec_stats.record(s.num_spec_tokens, n_acc, kept)
                     self.spec_stats.record(s.num_spec_tokens, n_acc, kept)
                 conf = proposals[seq.seq_id].confidence if seq.seq_id in proposals else []
-                self._last_outcomes.append(SeqOutcome(seq, s.num_spec_tokens, n_acc, conf))
+                outcomes.append(SeqOutcome(s.num_spec_tokens, n_acc, list(conf)))
             # Rollback is arithmetic: only committed tokens minus the newest one are computed.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)
@@ -386,7 +423,7 @@ class LLMEngine:
                 self.allocator.cache_computed_blocks(seq)
             if seq.seq_id in accepted or seq.is_finished:
                 outputs.append(self._output(seq))
-        return outputs
+        return outputs, outcomes
 
     def _sample(self, sampling, proposals, logits) -> dict[int, list[int]]:
         rows: list[RowContext] = []
@@ -466,6 +503,15 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[r] for r in ids]
+
+
+def _target_shape(plan: StepPlan) -> ForwardShape:
+    """Rows, sequences and attended (query, key) pairs of the step's target forward."""
+    attended = 0
+    for s in plan.scheduled:
+        q = s.num_query_tokens
+        attended += q * (s.seq.num_computed_tokens + q)
+    return ForwardShape(plan.num_batched_tokens, len(plan.scheduled), attended)
 
 
 def _check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -112,3 +112,20 @@ def make_output(seq: Sequence, state: OutputState, arm: str) -> RequestOutput:
         finish_time=seq.finish_time,
         num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
     )
+
+
+@dataclass
+class StepTotals:
+    """Running totals of measured steps: all of each step, its drafting, and the rest (the
+    target forward, sampling and bookkeeping)."""
+
+    num_steps: int = 0
+    step_time: float = 0.0
+    draft_time: float = 0.0
+    target_time: float = 0.0
+
+    def add(self, other: StepTotals) -> None:
+        self.num_steps += other.num_steps
+        self.step_time += other.step_time
+        self.draft_time += other.draft_time
+        self.target_time += other.target_time

@@ -11,20 +11,22 @@ decodes plainly, until the rest fits. Waiting sequences are admitted while the b
 ``max_num_seqs`` and the KV pool allow. When the pool runs dry, the newest running sequence is
 preempted (its blocks freed, to be recomputed later), so the oldest always make progress: no
 deadlock, no crash.
+
+A step is planned in three calls, so the speculation policy is asked in between and never called
+from here: ``schedule_running`` gives the running sequences their rows, ``add_drafts`` adds the k drafts
+the policy chose for the decode-ready ones (trimmed to what the budget, the KV pool and their
+token limits allow), and ``admit`` fills what is left of the budget with waiting prompts.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.block_allocator import BlockAllocator
 from engine.sequence import Sequence, SequenceStatus
-
-# Decides k (draft tokens to verify) for each decode-ready sequence: (sequences) -> ks.
-KPolicy = Callable[[list[Sequence]], list[int]]
 
 # Shortest-prompt-first ages a waiting prompt by this many tokens per second waited, so a long
 # prompt's effective length reaches zero after (its length / rate) seconds and it cannot starve.
@@ -53,6 +55,12 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    budget_left: int = 0  # target rows the step can still take
+
+    @property
+    def decode_ready(self) -> list[ScheduledSeq]:
+        """Running sequences decoding one token: those that may verify drafts this step."""
+        return [s for s in self.scheduled if s.num_new_tokens == 1 and s.completes_prompt]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,65 +111,80 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def pending_prefill(self) -> tuple[int, int]:
-        """(prompt rows, sequences) the next step's prefill chunks can hold at most: what is left
-        of running prompts plus the waiting prompts that could be admitted, within the token
-        budget left after one row per running sequence. A speculation controller uses it to
-        price verify rows against the step they will actually share."""
-        rows = seqs = 0
-        for seq in self.running:
-            need = seq.num_tokens - seq.num_computed_tokens
-            if need > 1:
-                rows, seqs = rows + need, seqs + 1
+    def pending_prefill(self, plan: StepPlan) -> tuple[int, int, int]:
+        """(rows, sequences, attended key pairs) of the prompt chunks the step will carry at
+        most: the running prompts' chunks in ``plan`` plus the waiting prompts ``admit`` could
+        take within the budget left. A speculation policy prices the step it chooses for with
+        them."""
+        rows = seqs = attended = 0
+        for s in plan.scheduled:
+            if s.num_new_tokens > 1:
+                rows, seqs = rows + s.num_new_tokens, seqs + 1
+                attended += s.num_new_tokens * (s.seq.num_computed_tokens + s.num_new_tokens)
         room = max(0, self.max_num_seqs - len(self.running))
+        budget = plan.budget_left
         for seq in list(self.waiting)[:room]:
-            rows, seqs = rows + seq.num_tokens - seq.num_computed_tokens, seqs + 1
-        budget = max(0, self.max_num_batched_tokens - len(self.running))
-        return min(rows, budget), seqs
+            if budget <= 0:
+                break
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            rows, seqs, budget = rows + chunk, seqs + 1, budget - chunk
+            attended += chunk * chunk
+        return rows, seqs, attended
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self, k_policy: KPolicy | None = None) -> StepPlan:
-        plan = StepPlan()
-        budget = self.max_num_batched_tokens
-        ks = self._choose_ks(k_policy)
-        catchup = self._fit_draft_budget(ks)
+    def schedule(self) -> StepPlan:
+        """A step without drafts: the running sequences' rows, then admissions."""
+        plan = self.schedule_running()
+        self.admit(plan)
+        return plan
 
+    def schedule_running(self) -> StepPlan:
+        """Give every running sequence what it still needs (a prompt chunk, or one row to
+        decode) within the token budget, preempting the newest when the pool runs dry."""
+        plan = StepPlan(budget_left=self.max_num_batched_tokens)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget_left > 0:
             seq = self.running[i]
-            need = seq.num_tokens - seq.num_computed_tokens
-            k = min(ks.get(seq.seq_id, 0), max(0, budget - need)) if need == 1 else 0
-            num_new = min(need, budget)
-            while not self.allocator.can_allocate(seq, seq.num_computed_tokens + num_new + k):
-                if k > 0:
-                    k = 0  # verify slots are a luxury: drop them before preempting anyone
-                    continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, plan.budget_left)
+            while not self.allocator.can_allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq preempted itself; the loop index now points at the next one
-            self.allocator.allocate(seq, seq.num_computed_tokens + num_new + k)
-            plan.scheduled.append(ScheduledSeq(seq, num_new, k, catchup.get(seq.seq_id, 0)))
-            budget -= num_new + k
+            self.allocator.allocate(seq, seq.num_computed_tokens + num_new)
+            plan.scheduled.append(ScheduledSeq(seq, num_new))
+            plan.budget_left -= num_new
             i += 1
-
-        if not plan.preempted:  # admitting right after preempting would only thrash
-            budget = self._admit(plan, budget)
         return plan
 
-    def _choose_ks(self, k_policy: KPolicy | None) -> dict[int, int]:
-        if k_policy is None:
-            return {}
-        ready = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        if not ready:
-            return {}
-        ks = k_policy(ready)
-        out: dict[int, int] = {}
-        for seq, k in zip(ready, ks, strict=True):
-            out[seq.seq_id] = max(0, min(k, self._max_useful_k(seq)))
-        return out
+    def add_drafts(self, plan: StepPlan, items: Seq[ScheduledSeq], ks: Seq[int]) -> None:
+        """Give each decode-ready item its k drafts to verify, trimmed to what it could still
+        commit, to the target's budget left (oldest first), to the draft's own catch-up budget
+        and to the KV pool (verify slots are a luxury: dropped, never a cause to preempt)."""
+        wanted = {
+            it.seq.seq_id: max(0, min(k, self._max_useful_k(it.seq)))
+            for it, k in zip(items, ks, strict=True)
+        }
+        catchup = self._fit_draft_budget(wanted)
+        for it in items:
+            seq = it.seq
+            k = min(wanted[seq.seq_id], plan.budget_left)
+            total = seq.num_computed_tokens + it.num_new_tokens + k
+            if k and not self.allocator.can_allocate(seq, total):
+                k = 0
+            if k:
+                self.allocator.allocate(seq, total)
+            it.num_spec_tokens = k
+            it.num_draft_catchup_tokens = catchup.get(seq.seq_id, 0)
+            plan.budget_left -= k
+
+    def admit(self, plan: StepPlan) -> None:
+        """Admit waiting prompts into what is left of the budget (not right after preempting:
+        that would only thrash)."""
+        if not plan.preempted:
+            plan.budget_left = self._admit(plan, plan.budget_left)
 
     def _fit_draft_budget(self, ks: dict[int, int]) -> dict[int, int]:
         """Hold the draft's first forward to ``max_num_batched_tokens`` rows. Sequences whose whole

@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from evals.datasets import load_categories, prompt_token_ids
-from specdec.controller_base import StaticController
+from specdec.controller.policy import FixedPolicy
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -49,7 +49,7 @@ def decode_rate(out) -> float:
 
 
 def bench_engine(engine: LLMEngine, hf, prompts: list[list[int]], n: int) -> dict:
-    engine.controller = StaticController(0)
+    engine.policy = FixedPolicy(0)
     res: dict = {}
     rates = [
         decode_rate(engine.generate([p], greedy(n), speculative="off")[0]) for p in prompts[:3]
@@ -98,7 +98,7 @@ def bench_spec(engine, ngram_engine, hf, prompts, labels, n, ks) -> dict:
     rows = []
 
     def ours(label, eng, k, mode):
-        eng.controller = StaticController(k)
+        eng.policy = FixedPolicy(k)
         for p, cat in zip(prompts, labels, strict=True):
             t = time.perf_counter()
             out = eng.generate([p], greedy(n), speculative=mode)[0]

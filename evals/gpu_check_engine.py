@@ -116,22 +116,22 @@ def _runtime_memory(
 
 
 class _ControllerClock:
-    """Adds up the host seconds an engine spends in its controller's per-step calls: those on
-    the step's critical path (``seconds``) and ``while_target_runs`` (``overlap_seconds``), which
-    runs while the device works on the target forward."""
+    """Adds up the host seconds an engine spends in its policy's per-step calls (``decide`` and
+    ``observe``), all on the step's critical path; ``overlap_seconds`` stays 0 (the policy does no
+    work while the device runs the target forward)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds = 0.0
         self.overlap_seconds = 0.0
-        controller = engine.controller
-        for name in ("expect_prefill", "choose_k", "observe", "while_target_runs"):
-            setattr(controller, name, self._timed(name, getattr(controller, name)))
+        policy = engine.policy
+        for name in ("decide", "observe"):
+            setattr(policy, name, self._timed(name, getattr(policy, name)))
 
     def reset(self) -> None:
         self.seconds = self.overlap_seconds = 0.0
 
     def _timed(self, name: str, fn):
-        overlapped = name == "while_target_runs"
+        overlapped = False
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -241,7 +241,7 @@ def stage_engine_controller(ctx: CheckContext) -> dict[str, Any]:
                 }
             )
             if arm == "adaptive":
-                s = engine.controller.stats()
+                s = engine.policy.stats()
                 controller_stats.append(
                     {
                         "round": r,

@@ -12,12 +12,9 @@ from engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_pro
 from engine.model_runner import ModelRunner, RunEntry
 from engine.sampling import RowContext
 from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from specdec.controller.policy import DraftStop, keep_drafting
+from specdec.controller.step_cost import ForwardShape
 from specdec.ngram import propose_ngram
-
-# Asked after each draft forward which of the sequences that could draft further should (see
-# ``SpeculationController.keep_drafting``); None: every sequence drafts its k.
-DraftStopRule = Callable[[list[Sequence], list[list[float]]], list[bool]]
 
 
 @dataclass
@@ -31,18 +28,23 @@ class Proposal:
     confidence: list[float] = field(default_factory=list)
 
 
+@dataclass
+class Drafts:
+    """What one ``propose`` produced: a proposal per item and the shapes of the draft forwards
+    it ran (for the policy's draft-cost fit; a lookup proposer runs none)."""
+
+    proposals: list[Proposal]
+    forwards: list[ForwardShape] = field(default_factory=list)
+
+
 class Proposer(Protocol):
     name: str
-    # (rows, sequences) of each forward the last ``propose`` ran, for the controller's draft-cost
-    # fit; a lookup proposer reports its whole lookup as one pseudo-forward.
-    last_forwards: list[tuple[int, int]]
 
-    def propose(
-        self, items: list[ScheduledSeq], stop_rule: DraftStopRule | None = None
-    ) -> list[Proposal]:
-        """Draft up to item.num_spec_tokens tokens after each item's sequence (one per item),
-        fewer where ``stop_rule`` says a sequence should stop. An item with k = 0 and
-        ``num_draft_catchup_tokens`` only reads that many tokens into the draft's K/V."""
+    def propose(self, items: list[ScheduledSeq], stop: DraftStop | None = None) -> Drafts:
+        """Draft up to item.num_spec_tokens tokens after each item's sequence (one per item).
+        With ``stop``, an 'auto' sequence drafts a further token only while ``keep_drafting``
+        says its drafts so far make it pay. An item with k = 0 and ``num_draft_catchup_tokens``
+        only reads that many tokens into the draft's K/V."""
         ...
 
 
@@ -54,11 +56,8 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min = n_min
         self.n_max = n_max
-        self.last_forwards: list[tuple[int, int]] = []
 
-    def propose(
-        self, items: list[ScheduledSeq], stop_rule: DraftStopRule | None = None
-    ) -> list[Proposal]:
+    def propose(self, items: list[ScheduledSeq], stop: DraftStop | None = None) -> Drafts:
         # Every position is drafted at once, for free: there is nothing to stop early.
         out = [
             Proposal(
@@ -66,9 +65,7 @@ class NgramProposer:
             )
             for it in items
         ]
-        found = [len(p.token_ids) for p in out if p.token_ids]
-        self.last_forwards = [(sum(found), len(found))] if found else []
-        return out
+        return Drafts(out)
 
 
 class DraftModelProposer:
@@ -91,17 +88,14 @@ class DraftModelProposer:
         self.runner = runner
         self.kernels = kernels  # batched sampling kernels (FlashInfer on CUDA) or the reference
         self.num_forwards = 0  # observable: tests assert the draft did not run when k = 0
-        self.last_forwards: list[tuple[int, int]] = []
 
-    def propose(
-        self, items: list[ScheduledSeq], stop_rule: DraftStopRule | None = None
-    ) -> list[Proposal]:
+    def propose(self, items: list[ScheduledSeq], stop: DraftStop | None = None) -> Drafts:
         tokens: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         confidence: list[list[float]] = [[] for _ in items]
         active = [i for i, it in enumerate(items) if it.num_spec_tokens > 0]
         catchup = _catchup_entries(items)
-        self.last_forwards = []
+        forwards: list[ForwardShape] = []
         step = 0
         while active or catchup:
             entries = list(catchup)  # chunks read without logits ride in the first forward
@@ -114,7 +108,7 @@ class DraftModelProposer:
                     entries.append(RunEntry(seq, [tokens[i][-1]], seq.num_tokens + step - 1, 1))
             logits = self.runner.run(entries)  # [len(active), vocab]
             self.num_forwards += 1
-            self.last_forwards.append((sum(len(e.token_ids) for e in entries), len(entries)))
+            forwards.append(_shape(entries))
             for e in catchup:
                 e.seq.num_draft_computed_tokens = e.start_pos + len(e.token_ids)
             catchup = []
@@ -137,8 +131,8 @@ class DraftModelProposer:
                 [items[i].seq.num_tokens + step for i in active],  # where each draft would go
                 self.kernels,
             )
-            # Only a stop rule reads confidences: without one, skip their kernels and copy.
-            conf = _confidence(logits, p, drawn_t, greedy) if stop_rule is not None else None
+            # Only the stop rule reads confidences: without one, skip their kernels and copy.
+            conf = _confidence(logits, p, drawn_t, greedy) if stop is not None else None
             drawn = drawn_t.tolist()
             for row, i in enumerate(active):
                 seq = items[i].seq
@@ -148,10 +142,16 @@ class DraftModelProposer:
                     confidence[i].append(conf[row])
                 seq.num_draft_computed_tokens = seq.num_tokens + step
             step += 1
-            active = [i for i in active if items[i].num_spec_tokens > step]
-            if active and stop_rule is not None:
-                keep = stop_rule([items[i].seq for i in active], [confidence[i] for i in active])
-                active = [i for i, k in zip(active, keep, strict=True) if k]
+            active = [
+                i
+                for i in active
+                if items[i].num_spec_tokens > step
+                and (
+                    stop is None
+                    or items[i].seq.spec_mode != "auto"
+                    or keep_drafting(confidence[i], step, stop)
+                )
+            ]
         out = []
         for i, it in enumerate(items):
             if not tokens[i]:
@@ -162,7 +162,14 @@ class DraftModelProposer:
                 out.append(Proposal(tokens[i], None, confidence[i]))
             else:
                 out.append(Proposal(tokens[i], torch.stack(probs[i]), confidence[i]))
-        return out
+        return Drafts(out, forwards)
+
+
+def _shape(entries: list[RunEntry]) -> ForwardShape:
+    """Rows, sequences and attended (query, key) pairs of one forward."""
+    rows = sum(len(e.token_ids) for e in entries)
+    attended = sum(len(e.token_ids) * (e.start_pos + len(e.token_ids)) for e in entries)
+    return ForwardShape(rows, len(entries), attended)
 
 
 def _catchup_entries(items: list[ScheduledSeq]) -> list[RunEntry]:

@@ -255,10 +255,10 @@ def test_metrics_exposition(server, client, tokenizer):
         "specdec:spec_decode_acceptance_estimate",
     ):
         assert f"\n{name}{{" in text, name
-    # The controller's inputs: its cost fit has seen the steps; the acceptance estimate is a chance.
+    # The policy's inputs: its cost fit has seen the steps; the acceptance estimate is a chance.
     cost = "specdec:spec_decode_cost_model"
     assert metric_value(text, cost, coefficient="num_observations") > 0
-    assert metric_value(text, cost, coefficient="target_base_s") > 0
+    assert metric_value(text, cost, coefficient="machine_pace") > 0
     assert 0 < metric_value(text, "specdec:spec_decode_acceptance_estimate", position="0") <= 1
 
     def delta(name: str, **labels: str) -> float:

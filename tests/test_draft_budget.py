@@ -40,14 +40,14 @@ def record_rows(runner: ModelRunner) -> list[int]:
 def record_plans(engine) -> list:
     """Wrap the scheduler so every step's plan is appended to the returned list."""
     plans: list = []
-    schedule = engine.scheduler.schedule
+    schedule = engine.scheduler.schedule_running
 
     def recording(*args):
         plan = schedule(*args)
         plans.append(plan)
         return plan
 
-    engine.scheduler.schedule = recording
+    engine.scheduler.schedule_running = recording
     return plans
 
 

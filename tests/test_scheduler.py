@@ -15,6 +15,15 @@ def make(num_blocks=64, page=4, max_seqs=8, budget=32, max_len=200, policy="fcfs
     return alloc, Scheduler(alloc, max_seqs, budget, max_len, policy)
 
 
+def schedule_with_k(sched, k):
+    """A step whose decode-ready sequences were given k drafts each by a policy."""
+    plan = sched.schedule_running()
+    ready = plan.decode_ready
+    sched.add_drafts(plan, ready, [k] * len(ready))
+    sched.admit(plan)
+    return plan
+
+
 def seq(i, n_prompt, max_tokens=50, arrival=0.0):
     return Sequence(
         i,
@@ -63,7 +72,7 @@ def test_k_is_capped_by_max_tokens_and_budget(
     sched.schedule()
     s.num_computed_tokens = 6
     s.append_token(99)  # first output token: now decode-ready
-    plan = sched.schedule(lambda seqs: [k_asked] * len(seqs))
+    plan = schedule_with_k(sched, k_asked)
     assert plan.scheduled[0].num_new_tokens == 1
     assert plan.scheduled[0].num_spec_tokens == k_expected
     assert len(s.block_table) * alloc.page_size >= s.num_tokens + k_expected
@@ -155,7 +164,7 @@ def test_draft_catch_up_is_held_to_the_token_budget(lags, budget, k_expected, ca
     for s, lag in zip(seqs, lags, strict=True):
         s.append_token(99)  # decode-ready: the draft lags `lag` tokens behind
         s.num_draft_computed_tokens = s.num_tokens - lag
-    plan = sched.schedule(lambda ready: [4] * len(ready))
+    plan = schedule_with_k(sched, 4)
     assert [i.num_spec_tokens for i in plan.scheduled] == k_expected
     assert [i.num_draft_catchup_tokens for i in plan.scheduled] == catchup_expected
     drafting = sum(lag for lag, k in zip(lags, k_expected, strict=True) if k)
@@ -171,5 +180,5 @@ def test_without_a_draft_model_lag_is_not_counted():
         for item in sched.schedule().scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
     s.append_token(99)
-    (item,) = sched.schedule(lambda ready: [4] * len(ready)).scheduled
+    (item,) = schedule_with_k(sched, 4).scheduled
     assert (item.num_spec_tokens, item.num_draft_catchup_tokens) == (4, 0)

@@ -1,30 +1,61 @@
-"""Adaptive speculation control: choose k per sequence per step from measured acceptance and cost.
+"""Speculation policies: how many drafts each decode-ready sequence verifies per step.
 
-``build_controller(config, engine)`` is what the engine calls; the pieces are importable for tests
-and benchmarks.
+``build_policy`` is what the engine calls; the model is stated in docs/controller.md.
 """
 
 from __future__ import annotations
 
-from specdec.controller.acceptance import AcceptanceTracker, expected_tokens, expected_tokens_table
-from specdec.controller.adaptive import AdaptiveController, AdaptiveParams
-from specdec.controller.calibration import CalibrationResult, calibrate
-from specdec.controller.cost_model import CostModel, DraftCost, TargetCost, TargetSample
-from specdec.controller.draft_stop import ConfidenceCalibration
-from specdec.controller.factory import build_controller
+import logging
 
-__all__ = [
-    "ConfidenceCalibration",
-    "AcceptanceTracker",
-    "AdaptiveController",
-    "AdaptiveParams",
-    "CalibrationResult",
-    "CostModel",
-    "DraftCost",
-    "TargetCost",
-    "TargetSample",
-    "build_controller",
-    "calibrate",
-    "expected_tokens",
-    "expected_tokens_table",
-]
+import torch
+
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from specdec.controller.cost_table import CalibrationSpec, cached_or_measured, machine_description
+from specdec.controller.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
+
+logger = logging.getLogger(__name__)
+
+# Acceptance assumed per position before any verify was seen, per proposer: a same-family draft
+# model usually agrees with the target most of the time; prompt lookup less often.
+INITIAL_ACCEPTANCE = {"draft_model": 0.7, "ngram": 0.5}
+CALIBRATION_SECONDS = 30.0  # every plain and verify shape up to 16 x 7 rows on a 2-core CPU
+
+__all__ = ["AdaptivePolicy", "FixedPolicy", "SpeculationPolicy", "build_policy"]
+
+
+def build_policy(
+    config: EngineConfig,
+    proposer_name: str,
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    allocator: BlockAllocator,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> SpeculationPolicy:
+    """The policy ``config`` asks for; an adaptive one is seeded with the machine's step-cost
+    table (read from the cache, or measured on the runners) when ``controller_warmup`` is set."""
+    k_max = config.num_speculative_tokens
+    if config.speculative_policy == "fixed":
+        return FixedPolicy(k_max)
+    policy = AdaptivePolicy(
+        k_max,
+        INITIAL_ACCEPTANCE.get(proposer_name, 0.5),
+        stop_drafts_early=config.stop_drafts_early,
+        has_draft_model=draft is not None,
+    )
+    if config.controller_warmup:
+        models = [config.model] + ([config.draft_model or ""] if draft is not None else [])
+        spec = CalibrationSpec(
+            max_num_seqs=config.max_num_seqs,
+            k_max=k_max,
+            max_rows=config.max_num_batched_tokens,
+            max_context=max_model_len,
+            budget_seconds=CALIBRATION_SECONDS,
+        )
+        machine = machine_description(target.device, dtype, models)
+        table = cached_or_measured(target, draft, allocator, spec, machine)
+        table.seed(policy.cost)
+        logger.info("speculation policy seeded with %d timed shapes", len(table.samples))
+    return policy

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.sequence import Sequence
 from specdec.controller.estimates import (
@@ -98,6 +99,23 @@ class StepObservation:
     outcomes: list[SeqOutcome]
 
 
+class SpeculationPolicy(Protocol):
+    """What the engine asks each step, and what it tells afterwards."""
+
+    def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
+        """Drafts for each decode-ready sequence (0: plain decode, no draft work for it), given
+        the prompt chunks the step carries beside them."""
+        ...
+
+    def observe(self, obs: StepObservation) -> None:
+        """One measured step."""
+        ...
+
+    def stats(self) -> dict:
+        """Current decision inputs and outputs, for metrics and logs."""
+        ...
+
+
 def keep_drafting(confidences: Seq[float], position: int, stop: DraftStop) -> bool:
     """Whether a sequence whose drafts so far were drawn with ``confidences`` drafts position
     ``position`` (0-based) too. Depends only on drafts already drawn, so the output distribution
@@ -158,6 +176,7 @@ class AdaptivePolicy:
         self._since_explore = 0
         self._last: list[int] = []
         self._last_goodput = 0.0
+        self._last_seconds = 0.0
 
     # ---- decision ---------------------------------------------------------------------------
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
@@ -181,6 +200,7 @@ class AdaptivePolicy:
         choice = self._maybe_explore(choice, candidates, decode_only)
         self._last = choice.ks
         self._last_goodput = choice.goodput
+        self._last_seconds = choice.seconds
         stop = None
         if self.stop_drafts_early and any(choice.ks[i] for i in auto):
             stop = self._draft_stop(seqs, choice, prefill)
@@ -318,8 +338,10 @@ class AdaptivePolicy:
         return {
             **_k_stats(self._last),
             "acceptance_prior": list(self.acceptance.rates()),
-            "predicted_goodput": self._last_goodput,
-            "machine_pace": self.cost.speed,
+            "cost_machine_pace": self.cost.speed,
+            "cost_num_observations": float(self.cost.target.num_live),
+            "cost_predicted_step_seconds": self._last_seconds,
+            "cost_predicted_goodput": self._last_goodput,
         }
 
 

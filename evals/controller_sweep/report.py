@@ -1,4 +1,4 @@
-"""Markdown table and PNG plot for evals/bench_controller.py results, with the issue's targets.
+"""Markdown table and PNG plot for evals/controller_sweep/sweep.py results, with the issue's targets.
 
 Targets checked per point: adaptive within 5% of the best of plain / fixed-k throughput; adaptive
 never more than 3% slower than plain; at concurrency 1 on code, adaptive at least as fast as the
@@ -9,7 +9,7 @@ on the ratio of the arms' medians over rounds.
 Results of several runs (a sweep split into parts, each point measured once) merge into one
 report::
 
-    python -m evals.bench_controller_report --out docs/results/controller/sweep part1.json part2.json
+    python -m evals.controller_sweep.report --out docs/results/controller/sweep part1.json part2.json
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Benchmark: plain vs fixed-k vs adaptive speculation, side by side, per concurrency and workload.
 
-Every arm has its own engine (own KV pool, scheduler and controller) on the same loaded target and
-draft; arms differ only in the controller and the per-request speculation mode:
+Every arm has its own engine (own KV pool, scheduler and policy) on the same loaded target and
+draft; arms differ only in the policy and the per-request speculation mode:
 
     plain      requests speculative='off' (no draft forward ever runs)
-    fixed-k2   StaticController(2)
-    fixed-k4   StaticController(4)
-    adaptive   AdaptiveController, calibrated once at start-up, learning across the whole run
+    fixed-k2   --speculative-policy fixed, k = 2
+    fixed-k4   --speculative-policy fixed, k = 4
+    adaptive   the adaptive policy, seeded by the step-cost table, learning across the whole run
 
 The arms' engines step in turn (one step each, the order rotating), so every arm meets the same
 spells of a shared machine; each arm is timed by its own steps.
@@ -19,15 +19,15 @@ the arm's own step time) and median / p99 over requests of time per output token
 
 Real pair (slow on a CPU: about 40 minutes for the full sweep on two cores):
 
-    python -m evals.bench_controller
+    python -m evals.controller_sweep.sweep
 
 Smoke run on tiny random models (a minute or two):
 
-    python -m evals.bench_controller --tiny --quick
+    python -m evals.controller_sweep.sweep --tiny --quick
 
-Per-step trace (``--trace steps.jsonl``, see ``evals.controller_trace``): every step of every
-arm, decode steps with their measured and predicted target/draft time and expected vs committed
-tokens, plus ``steps.md``: where each arm's wall time went, and pure decode steps by shape.
+A live sweep confirms; it does not tune. A point that misses is recorded as traces
+(`specdec trace`) and reproduced in the deterministic replay (`specdec replay`) before anything
+changes.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 import numpy as np
 
@@ -47,14 +46,12 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import SpecStats
-from evals.bench_controller_report import write_markdown, write_plot
-from evals.controller_trace import TracingController, summarize, wall_time_table
-from specdec.controller import AdaptiveController
-from specdec.controller_base import SpeculationController, StaticController
+from evals.controller_sweep.report import write_markdown, write_plot
 
-logger = logging.getLogger("bench_controller")
+logger = logging.getLogger("controller_sweep")
 
 ARMS = ("plain", "fixed-k2", "fixed-k4", "adaptive")
+FIXED_K = {"fixed-k2": 2, "fixed-k4": 4}
 CONCURRENCY = (1, 2, 4, 8, 16)
 OUT_DIR = Path("docs/results/controller")
 
@@ -223,7 +220,7 @@ class ArmLoop:
             if n > 1 and first is not None:
                 self.tpots.append((self.busy_s - first) / (n - 1))
 
-    def result(self, workload: str, controller: SpeculationController) -> ArmResult:
+    def result(self, workload: str) -> ArmResult:
         after = self.engine.spec_stats
         before = self._stats_before
         drafted = after.num_draft_tokens - before.num_draft_tokens
@@ -231,8 +228,8 @@ class ArmLoop:
         decode_steps = after.num_target_steps - before.num_target_steps
         spec_steps = after.num_spec_steps - before.num_spec_steps
         ctrl_stats = {}
-        if isinstance(controller, AdaptiveController):
-            ctrl_stats = {k: v for k, v in controller.stats().items() if not isinstance(v, dict)}
+        if self.arm == "adaptive" and self.engine.policy is not None:
+            ctrl_stats = _scalars(self.engine.policy.stats())
         wall, tpots = self.busy_s, self.tpots
         throughput = self.out_tokens / wall if wall > 0 else 0.0
         return ArmResult(
@@ -305,12 +302,9 @@ def warmup_requests(
 
 def run_round(
     engines: dict[str, LLMEngine],
-    controllers: dict[str, SpeculationController],
     workload: str,
     requests: list[tuple[str, list[int], SamplingParams]],
     concurrency: int,
-    trace: tuple[AdaptiveController, TextIO] | None = None,
-    round_index: int = 0,
 ) -> dict[str, ArmResult]:
     """Every arm serves ``requests`` on its own engine, the engines stepping in turn.
 
@@ -318,34 +312,20 @@ def run_round(
     compare different spells of the machine. Stepping the arms' engines in turn (the order
     rotating every cycle) puts each arm's steps within a step or two of the others', so the
     drift lands on all of them alike; each arm is timed by its own steps only.
-    ``trace``: (the model that prices each step, where its JSON lines go), or None.
     """
-    loops: list[ArmLoop] = []
-    tracers: dict[str, TracingController] = {}
-    for arm, engine in engines.items():
-        engine.controller = controllers[arm]
-        if trace is not None:
-            tags = {
-                "workload": workload, "concurrency": concurrency, "arm": arm, "round": round_index,
-            }  # fmt: skip
-            tracers[arm] = TracingController(controllers[arm], trace[0], trace[1], tags)
-            engine.controller = tracers[arm]
-        loops.append(ArmLoop(engine, arm, requests, concurrency))
+    loops = [ArmLoop(engine, arm, requests, concurrency) for arm, engine in engines.items()]
     cycle = 0
     while live := [loop for loop in loops if not loop.done]:
         shift = cycle % len(live)
         for loop in live[shift:] + live[:shift]:
             loop.advance()
         cycle += 1
-    for loop in loops:
-        if loop.arm in tracers:
-            tracers[loop.arm].end_run(loop.busy_s, loop.out_tokens)
-    return {loop.arm: loop.result(workload, controllers[loop.arm]) for loop in loops}
+    return {loop.arm: loop.result(workload) for loop in loops}
 
 
 def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     """One engine per arm, all on the same loaded models, each with its own KV pool, scheduler
-    and controller. Only the adaptive arm's engine calibrates its controller at start-up."""
+    and policy. Only the adaptive arm's engine reads (or measures) the step-cost table."""
     common = dict(
         speculative_mode="auto",
         max_num_seqs=max(args.concurrency),
@@ -377,8 +357,8 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
         cfg = EngineConfig(
             **models,
             **common,
-            # Caps the adaptive arm's k; the fixed arms' StaticControllers choose their own.
-            num_speculative_tokens=args.adaptive_max_k if adaptive else 4,
+            speculative_policy="adaptive" if adaptive else "fixed",
+            num_speculative_tokens=args.adaptive_max_k if adaptive else FIXED_K.get(arm, 4),
             controller_warmup=adaptive,
             stop_drafts_early=adaptive and args.stop_drafts_early,
         )
@@ -431,8 +411,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--stop-drafts-early",
         action=argparse.BooleanOptionalAction,
         default=EngineConfig.stop_drafts_early,
-        help="adaptive arm: draft up to k and stop on the draft's confidence (draft_stop); "
-        "the engine's default",
+        help="adaptive arm: draft up to k and stop on the draft's confidence; the engine's default",
     )
     p.add_argument(
         "--adaptive-max-k",
@@ -454,12 +433,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke test)")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     p.add_argument("--name", default=None, help="file stem (default bench_controller[_tiny])")
-    p.add_argument(
-        "--trace",
-        type=Path,
-        default=None,
-        help="write every step of every arm here (JSON lines; a .md summary beside it)",
-    )
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency = [c for c in args.concurrency if c in (1, 4)] or [1, 4]
@@ -475,42 +448,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     engines = build_engines(args)  # every arm's engine; the adaptive one always
-    adaptive = engines["adaptive"].controller  # calibrated on the models at start-up
-    assert isinstance(adaptive, AdaptiveController)
-    controllers: dict[str, SpeculationController] = {
-        "plain": StaticController(4),
-        "fixed-k2": StaticController(2),
-        "fixed-k4": StaticController(4),
-        "adaptive": adaptive,
-    }
+    adaptive = engines["adaptive"]
     arm_engines = {arm: engines[arm] for arm in args.arms}
     first_engine = engines["adaptive"]
     prompts = {w: encode_prompts(first_engine, WORKLOADS[w][0], args.tiny) for w in args.workloads}
 
     results: list[ArmResult] = []
-    trace_sink: TextIO | None = None
-    if args.trace is not None:
-        args.trace.parent.mkdir(parents=True, exist_ok=True)
-        trace_sink = args.trace.open("w")
-    trace = (adaptive, trace_sink) if trace_sink is not None else None
     for w in args.workloads:
         prompts_w, temperature = prompts[w], WORKLOADS[w][1]
-        # Warm-up (kernels, allocators, the adaptive controller's first live steps; not
-        # reported) on this workload right before its points, so the engine-wide acceptance
-        # prior that new requests start from is this workload's, as on a server that serves it,
-        # rather than whatever workload was warmed up or measured last. The prior remembers
-        # about a hundred verifies: a warm-up of two 8-token requests gave it a handful, and
-        # the first round of the first point (code, c=1) was adaptive's lowest of three, or
-        # tied for it, in seven of eight sweeps, its first requests deciding on a prior that
-        # one early rejection moved by 0.1.
+        # Warm-up (kernels, allocators, the adaptive policy's first live steps; not reported)
+        # on this workload right before its points, so the engine-wide acceptance estimate
+        # new requests start from is this workload's, as on a server that serves it, rather
+        # than whatever workload was warmed up or measured last (it remembers about a hundred
+        # verifies).
         if args.warmup_requests > 0:
-            run_round(arm_engines, controllers, w, warmup_requests(args, w, prompts_w), 2)
+            run_round(arm_engines, w, warmup_requests(args, w, prompts_w), 2)
         for c in args.concurrency:
             n = args.num_prompts or max(c, 4)
             runs: dict[str, list[ArmResult]] = {arm: [] for arm in args.arms}
             for rep in range(args.repeats):
                 requests = round_requests(w, c, prompts_w, temperature, n, args.max_tokens, rep)
-                round_results = run_round(arm_engines, controllers, w, requests, c, trace, rep)
+                round_results = run_round(arm_engines, w, requests, c)
                 for arm, r in round_results.items():
                     runs[arm].append(r)
                     logger.info(
@@ -524,14 +482,6 @@ def main(argv: list[str] | None = None) -> int:
             # still leaves everything it measured.
             write_results(args, argv, adaptive, results, t0)
     json_path = write_results(args, argv, adaptive, results, t0, with_plot=True)
-    if trace_sink is not None:
-        trace_sink.close()
-        with args.trace.open() as f:
-            lines = [json.loads(line) for line in f]
-        table = "## Where the wall time went\n\n" + wall_time_table(lines)
-        table += "\n## Pure decode steps by shape\n\n" + summarize(lines)
-        args.trace.with_suffix(".md").write_text(table)
-        logger.info("wrote the step trace %s and its summary (.md)", args.trace)
     logger.info("wrote %s (.md, .png) in %.0f s", json_path, time.perf_counter() - t0)
     return 0
 
@@ -539,14 +489,14 @@ def main(argv: list[str] | None = None) -> int:
 def write_results(
     args: argparse.Namespace,
     argv: list[str] | None,
-    adaptive: SpeculationController,
+    adaptive: LLMEngine,
     results: list[ArmResult],
     t0: float,
     with_plot: bool = False,
 ) -> Path:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": " ".join(["python -m evals.bench_controller", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python -m evals.controller_sweep.sweep", *(argv or sys.argv[1:])]),
         "model": "tiny" if args.tiny else args.model,
         "draft_model": "tiny-draft" if args.tiny else args.draft_model,
         "max_tokens": args.max_tokens,
@@ -555,7 +505,7 @@ def write_results(
         "warmup": {"requests": args.warmup_requests, "tokens": args.warmup_tokens},
         "arms_step_in_turn": True,
         "total_seconds": time.perf_counter() - t0,
-        "controller_final": {k: v for k, v in adaptive.stats().items() if not isinstance(v, dict)},
+        "controller_final": _scalars(adaptive.policy.stats()) if adaptive.policy else {},
     }
     rows = [asdict(r) for r in results]
     json_path = args.out_dir / f"{args.name}.json"
@@ -564,6 +514,10 @@ def write_results(
     if with_plot:
         write_plot(args.out_dir / f"{args.name}.png", rows)
     return json_path
+
+
+def _scalars(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if not isinstance(v, dict)}
 
 
 if __name__ == "__main__":

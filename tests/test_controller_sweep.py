@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import io
 import json
-import random
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.sequence import SpecStats
-from evals import bench_controller as bench
-from evals.bench_controller import ARMS, ArmResult, main, merge_runs, round_requests, run_round
-from evals.bench_controller_report import check_targets, merge_results, round_ratios
-from evals.bench_controller_report import main as report_main
-from evals.controller_sim import make_seqs, verify_step
-from evals.controller_trace import TracingController, summarize, wall_time_table
-from specdec.controller import AcceptanceTracker, AdaptiveController
-from specdec.controller.acceptance import expected_tokens_table
-from specdec.controller_base import StaticController, StepObservation
+from evals.controller_sweep import sweep as bench
+from evals.controller_sweep.report import check_targets, merge_results, round_ratios
+from evals.controller_sweep.report import main as report_main
+from evals.controller_sweep.sweep import (
+    ARMS,
+    ArmResult,
+    main,
+    merge_runs,
+    round_requests,
+    run_round,
+)
 
 
 def _run(throughput: float, tpots: list[float], drafted: int, accepted: int) -> ArmResult:
@@ -128,7 +127,7 @@ class _RecordingEngine:
 
     def __init__(self, name: str, log: list[str], length: int = 3) -> None:
         self.name, self.log, self.length = name, log, length
-        self.controller = None
+        self.policy = None
         self.proposer = None
         self.spec_stats = SpecStats()
         self.sent: list[tuple[list[int], int | None, str]] = []
@@ -160,8 +159,7 @@ def _round(arms: tuple[str, ...], round_index: int, concurrency: int = 2):
     log: list[str] = []
     engines = {arm: _RecordingEngine(arm, log) for arm in arms}
     requests = round_requests("open", concurrency, [[i] for i in range(5)], 1.0, 3, 8, round_index)
-    controllers = {arm: StaticController(2) for arm in arms}
-    results = run_round(engines, controllers, "open", requests, concurrency)
+    results = run_round(engines, "open", requests, concurrency)
     return engines, log, results
 
 
@@ -217,121 +215,11 @@ def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
     assert (tmp_path / "sweep.png").stat().st_size > 0
 
 
-def test_trace_records_every_decode_step_priced_by_the_adaptive_model(tmp_path) -> None:
-    trace = tmp_path / "deep" / "steps.jsonl"  # a missing directory is created
-    argv = ["--tiny", "--quick", "--concurrency", "1", "--workloads", "code", "--repeats", "1"]
-    assert main([*argv, "--out-dir", str(tmp_path), "--trace", str(trace)]) == 0
-    lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert {line["arm"] for line in lines} == set(ARMS)
-    assert all(line["workload"] == "code" and line["concurrency"] == 1 for line in lines)
-    runs = [line for line in lines if line["kind"] == "run"]
-    assert len(runs) == len(ARMS)  # one round: one run line per arm, ending it
-    for run in runs:
-        own = [x for x in lines if x["arm"] == run["arm"] and x["kind"] == "step"]
-        # The steps of a run account for its wall time, all but the driver's bookkeeping.
-        assert 0 < sum(x["step_s"] for x in own) <= run["wall_s"]
-        assert sum(x["committed_tokens"] for x in own if x["decodes"]) < run["output_tokens"]
-    # The prefill steps (no decodes yet) are there too, without the decode fields.
-    assert any(x["kind"] == "step" and x["decodes"] == 0 and x["prefill_rows"] > 0 for x in lines)
-    for line in lines:
-        if line["kind"] == "run" or line["decodes"] == 0:
-            continue
-        assert line["predicted_target_s"] > 0 and line["target_s"] > 0
-        assert line["committed_tokens"] >= line["decodes"] >= 1
-        if line["arm"] == "plain":
-            assert line["ks"] == [0] and line["draft_forwards"] == [] and line["draft_s"] == 0
-            assert line["predicted_plain_s"] == line["predicted_target_s"]
-        elif not any(line["drafted"]):
-            assert line["predicted_plain_s"] == line["predicted_target_s"]
-        else:  # the rows left when no decode verifies (not always cheaper: see cost_model)
-            assert line["predicted_plain_s"] > 0
-        # One draft forward per drafted position, as the engine reported them.
-        assert len(line["draft_forwards"]) == max(line["drafted"])
-        if line["draft_forwards"]:
-            assert line["predicted_draft_s"] > 0 and line["draft_s"] > 0
-        # Only the adaptive arm's own decision carries a predicted step, and what it weighed.
-        assert (line["predicted_step_s"] is not None) == (line["arm"] == "adaptive")
-        assert ("decision" in line) == (line["arm"] == "adaptive")
-        if "decision" in line:
-            weighed = line["decision"]
-            k_max = EngineConfig.num_speculative_tokens  # the adaptive arm's, by default
-            assert len(weighed["goodput_by_k"]) == k_max + 1 and min(weighed["goodput_by_k"]) > 0
-            assert len(weighed["catchup_s"]) == line["decodes"]
-            assert 0 < weighed["bar"] <= 0.08
-    table = trace.with_suffix(".md").read_text()
-    assert "| code | 1 | fixed-k4 | 1 | 4 |" in table
-    assert "Where the wall time went" in table and "| code | 1 | plain | 1 |" in table
-
-
-def test_trace_prices_another_arms_sequences_at_the_engine_wide_estimate() -> None:
-    """Sequence ids are per engine: the adaptive model's sequence 0 is not a fixed arm's
-    sequence 0, so the fixed arm's step is expected at the model's prior, its own at its own."""
-    model = AdaptiveController(2, acceptance=AcceptanceTracker(2, initial=0.5))
-    for _ in range(40):
-        model.acceptance.observe(0, 2, 2)  # its sequence 0 accepts everything
-        model.acceptance.observe(1, 2, 0)  # ... its sequence 1 nothing: the prior is between
-    prior, own = model.acceptance.prior(), model.acceptance.estimate(0)
-    assert own[0] > prior[0] + 0.2
-
-    def traced_step(inner) -> dict:
-        sink = io.StringIO()
-        tracer = TracingController(inner, model, sink, {"arm": "x"})
-        seqs = make_seqs(1)  # sequence id 0
-        ks = tracer.choose_k(seqs)
-        outcome = verify_step(seqs[0], ks[0], 1.0, random.Random(0))
-        tracer.observe(StepObservation(0.2, 0.1, 0.1, 1 + ks[0], 1, [(1, 1)] * ks[0], [outcome]))
-        return json.loads(sink.getvalue())
-
-    assert traced_step(StaticController(2))["expected_tokens"] == pytest.approx(
-        expected_tokens_table(prior)[2]
-    )
-    line = traced_step(model)
-    assert line["expected_tokens"] == pytest.approx(expected_tokens_table(own)[line["drafted"][0]])
-
-
-def test_trace_summary_groups_pure_decode_steps_by_shape() -> None:
-    def line(arm: str, ks: list[int], target: float, prefill: int = 0) -> dict:
-        return dict(
-            workload="open", concurrency=2, arm=arm, ks=ks, decodes=len(ks), prefill_rows=prefill,
-            target_s=target, draft_s=0.1, predicted_target_s=0.2, predicted_draft_s=0.1,
-            expected_tokens=3.0, committed_tokens=2,
-        )  # fmt: skip
-
-    lines = [line("a", [2, 1], t) for t in (0.1, 0.3, 0.2)] + [line("a", [1, 2], 9.0, 40)]
-    lines += [line("b", [0, 0], 0.2)] * 2  # under min_steps: left out
-    table = summarize(lines)
-    rows = [r for r in table.splitlines() if r.startswith("| open")]
-    assert rows == [
-        "| open | 2 | a | 2 | 1,2 | 3 | 200 (200) | 100 (100) | 3.00 / 2.00 | 6.67 (10.00) |"
-    ]
-
-
-def test_wall_time_table_splits_each_run_by_step_kind() -> None:
-    def step(rnd: int, decodes: int, prefill: int, seconds: float) -> dict:
-        return dict(
-            workload="open", concurrency=2, arm="a", round=rnd, kind="step",
-            decodes=decodes, prefill_rows=prefill, step_s=seconds,
-        )  # fmt: skip
-
-    lines = []
-    for rnd, wall in ((0, 3.0), (1, 5.0), (2, 4.0)):
-        lines += [step(rnd, 0, 40, 0.5), step(rnd, 1, 20, 0.25)]  # prefill alone, then beside
-        lines += [step(rnd, 2, 0, 0.5)] * (rnd + 2)  # full batch
-        lines += [step(rnd, 1, 0, 0.25)]  # one sequence left
-        lines.append(dict(workload="open", concurrency=2, arm="a", round=rnd, kind="run",
-                          wall_s=wall, output_tokens=10))  # fmt: skip
-    lines.append(step(3, 2, 0, 9.0))  # a run that never finished: left out
-    rows = [r for r in wall_time_table(lines).splitlines() if r.startswith("| open")]
-    # Medians over the three runs: full batch 1.5 s (3 steps), one sequence 0.25 s, prefill
-    # 0.75 s, and between steps the median of wall - steps: 3-2.0, 5-2.5, 4-3.0 = 1.0, 2.5, 1.0.
-    assert rows == ["| open | 2 | a | 3 | 4.0 | 1.5 (3) | 0.2 (1) | 0.8 (2) | 1.00 |"]
-
-
 def _part(
     workload: str, concurrency: list[int], repeats: int = 3, in_turn: bool | None = True
 ) -> dict:
     meta = dict(
-        command=f"python -m evals.bench_controller --workloads {workload}",
+        command=f"python -m evals.controller_sweep.sweep --workloads {workload}",
         model="t", draft_model="d", max_tokens=64, repeats=repeats,
         concurrency=concurrency, total_seconds=100.0, controller_final={"mean_k": 1.0},
     )  # fmt: skip
@@ -360,7 +248,7 @@ def test_parts_of_a_sweep_merge_into_one_report(tmp_path) -> None:
     assert merged["meta"]["total_seconds"] == 200.0 and merged["meta"]["concurrency"] == [1, 4, 16]
     assert "controller_final" not in merged["meta"]
     md = (tmp_path / "all.md").read_text()
-    assert "--workloads code`; `python -m evals.bench_controller --workloads open" in md
+    assert "--workloads code`; `python -m evals.controller_sweep.sweep --workloads open" in md
     assert "## code" in md and "## open" in md and "A✓ B✓" in md
     assert "the engines stepping in turn" in md
     assert (tmp_path / "all.png").stat().st_size > 0
@@ -389,9 +277,9 @@ def test_each_workload_starts_with_a_warm_up_of_fresh_requests(tmp_path, monkeyp
     served: list[tuple[str, int, list]] = []
     real_round = bench.run_round
 
-    def recording(engines, controllers, workload, requests, concurrency, *args, **kwargs):
+    def recording(engines, workload, requests, concurrency):
         served.append((workload, concurrency, requests))
-        return real_round(engines, controllers, workload, requests, concurrency, *args, **kwargs)
+        return real_round(engines, workload, requests, concurrency)
 
     monkeypatch.setattr(bench, "run_round", recording)
     argv = ["--tiny", "--concurrency", "1", "--workloads", "code", "--repeats", "2"]
