@@ -62,6 +62,7 @@ class AcceptanceModel:
         self.initial = initial
         self.hits = [0.0] * k_max
         self.judged = [0.0] * k_max
+        self.version = 0  # moves with every verify observed: estimates derived from it go stale
         self._rates = self._compute_rates()
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
@@ -75,6 +76,7 @@ class AcceptanceModel:
             if j < judged:
                 self.judged[j] += 1.0
                 self.hits[j] += 1.0 if j < num_accepted else 0.0
+        self.version += 1
         self._rates = self._compute_rates()
 
     def rates(self) -> list[float]:

@@ -12,8 +12,8 @@ rows, sequences and attended context; draft forwards including each drafting seq
 catch-up on tokens its draft has not seen. Candidates are every draft length k with the n
 sequences of highest ``E_i(k)`` drafting, for n on a grid, and plain decode.
 
-One hysteresis band: the held decision (a draft length and the least ``E_i(k)`` that drafts)
-gives way only to a candidate predicted ``MARGIN`` better, so noise in the estimates cannot flip
+One hysteresis band: the held decision (a draft length and the share of the 'auto' sequences,
+those of highest ``E_i(k)``, that draft it) gives way only to a candidate predicted ``MARGIN`` better, so noise in the estimates cannot flip
 the batch back and forth (each switch back on pays the draft's catch-up). One exploration rule:
 after ``EXPLORE_INTERVAL`` decode steps without running it, the best candidate of another draft
 length (plain included) runs for one step if it is predicted within ``EXPLORE_BAND`` of the held
@@ -148,10 +148,18 @@ class FixedPolicy:
 @dataclass
 class _Candidate:
     k: int  # draft length of the auto sequences that draft (0: plain)
-    min_value: float  # least E_i(k) among them
+    share: float  # the share of the auto sequences that draft (those of highest E_i(k))
     goodput: float
     seconds: float
-    ks: list[int]
+    pinned: list[int]  # the k of every sequence before the auto ones that draft are set
+    drafting: Seq[int] = ()  # indices of the auto sequences that draft k
+
+    @property
+    def ks(self) -> list[int]:
+        ks = list(self.pinned)
+        for i in self.drafting:
+            ks[i] = self.k
+        return ks
 
 
 class AdaptivePolicy:
@@ -172,11 +180,12 @@ class AdaptivePolicy:
         self.stop_drafts_early = stop_drafts_early and has_draft_model
         # A lookup proposer drafts every position at once for free: no draft forwards to price.
         self.has_draft_model = has_draft_model
-        self._held: tuple[int, float] = (0, 0.0)
+        self._held: tuple[int, float] = (0, 0.0)  # (k, share of the auto sequences drafting)
         self._since_explore = 0
         self._last: list[int] = []
         self._last_goodput = 0.0
         self._last_seconds = 0.0
+        self._table_cache: dict[int, tuple[tuple[int, int], list[float]]] = {}
 
     # ---- decision ---------------------------------------------------------------------------
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
@@ -185,55 +194,86 @@ class AdaptivePolicy:
         if not auto:
             self._last = pinned
             return SpecDecision(pinned)
-        tables = {i: self._expected(s) for i, s in enumerate(seqs) if s.spec_mode != "off"}
-        candidates = self._candidates(seqs, auto, tables, pinned, prefill)
+        tables = self._tables(seqs)
         held = self._evaluate_held(seqs, auto, tables, pinned, prefill)
+        decode_only = prefill.seqs == 0
+        if (
+            held.k == 0
+            and not self._exploration_due(decode_only)
+            and self._plain_is_safe(seqs, auto, tables, held, prefill)
+        ):
+            self._last, self._last_goodput, self._last_seconds = held.ks, held.goodput, held.seconds
+            return SpecDecision(held.ks, None, held.seconds, held.goodput)
+        candidates = self._candidates(seqs, auto, tables, pinned, prefill)
         best = max(candidates, key=lambda c: c.goodput)
         choice = held
-        decode_only = prefill.seqs == 0
         if best.goodput > held.goodput * (1.0 + MARGIN):
             choice = best
             # A step priced with prompt chunks in it weighs first tokens too: it may choose for
             # itself, but only a decode-only step moves the held decision.
             if decode_only:
-                self._held = (best.k, best.min_value)
+                self._held = (best.k, best.share)
         choice = self._maybe_explore(choice, candidates, decode_only)
-        self._last = choice.ks
-        self._last_goodput = choice.goodput
-        self._last_seconds = choice.seconds
+        ks = choice.ks
+        self._last, self._last_goodput, self._last_seconds = ks, choice.goodput, choice.seconds
         stop = None
-        if self.stop_drafts_early and any(choice.ks[i] for i in auto):
-            stop = self._draft_stop(seqs, choice, prefill)
-            choice.ks = [self.k_max if k else 0 for k in choice.ks]
-        return SpecDecision(choice.ks, stop, choice.seconds, choice.goodput)
+        if self.stop_drafts_early and any(ks[i] for i in auto):
+            stop = self._draft_stop(seqs, ks, choice, prefill)
+            ks = [self.k_max if k else 0 for k in ks]
+        return SpecDecision(ks, stop, choice.seconds, choice.goodput)
 
-    def _expected(self, seq: Sequence) -> list[float]:
-        st = seq.spec_stats
-        return expected_tokens_table(
-            self.acceptance.seq_rates(st.accepted_per_pos, st.judged_per_pos)
-        )
+    def _tables(self, seqs: Seq[Sequence]) -> dict[int, list[float]]:
+        """E_i(0..k_max) of every sequence that may draft, kept between steps while neither the
+        sequence's counts nor the engine-wide estimate moved (a batch held plain reuses all)."""
+        cache, self._table_cache = self._table_cache, {}
+        out = {}
+        version = self.acceptance.version
+        for i, s in enumerate(seqs):
+            if s.spec_mode == "off":
+                continue
+            st = s.spec_stats
+            key = (version, st.num_spec_steps)
+            hit = cache.get(s.seq_id)
+            if hit is None or hit[0] != key:
+                rates = self.acceptance.seq_rates(st.accepted_per_pos, st.judged_per_pos)
+                hit = (key, expected_tokens_table(rates))
+            self._table_cache[s.seq_id] = hit
+            out[i] = hit[1]
+        return out
+
+    def _plain_is_safe(self, seqs, auto, tables, held: _Candidate, prefill: PrefillShape) -> bool:
+        """True when no candidate could beat the held plain decision by the margin. For each
+        count n on the candidates' grid, n drafting sequences commit at most the n largest
+        E_i(k_max) and cost at least n more target rows and one n-row draft forward."""
+        gains = sorted((tables[i][self.k_max] - 1.0 for i in auto), reverse=True)
+        base = _target_shape_of(seqs, held.ks, prefill)
+        value, bar = held.goodput * held.seconds, held.goodput * (1.0 + MARGIN)
+        total, counts = 0.0, set(_counts(len(gains)))
+        for n, gain in enumerate(gains, start=1):
+            total += gain
+            if n not in counts:
+                continue
+            seconds = self.cost.target_time(ForwardShape(base.rows + n, base.seqs, base.attended))
+            if self.has_draft_model:
+                seconds += self.cost.draft_time([ForwardShape(n, n)])
+            if (value + total) / seconds > bar:
+                return False
+        return True
 
     def _step(
         self, seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape
     ) -> tuple[float, float]:
         """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
-        rows, attended, value = prefill.rows, prefill.attended, FIRST_TOKEN_WEIGHT * prefill.seqs
-        drafting: list[tuple[int, int]] = []  # (k, catch-up rows)
-        for s, k in zip(seqs, ks, strict=True):
-            q = 1 + k
-            rows += q
-            attended += q * (s.num_tokens + k)
-            if k:
-                drafting.append((k, _catch_up(s)))
-        seconds = self.cost.target_time(ForwardShape(rows, len(seqs) + prefill.seqs, attended))
+        seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill))
+        drafting = [(k, _catch_up(s)) for s, k in zip(seqs, ks, strict=True) if k]
         if drafting and self.has_draft_model:
             seconds += self.cost.draft_time(_draft_forwards(drafting))
-        return seconds, value
+        return seconds, FIRST_TOKEN_WEIGHT * prefill.seqs
 
-    def _price(self, seqs, ks, prefill, tables, k: int, min_value: float) -> _Candidate:
+    def _price(self, seqs, ks, prefill, tables, k: int, share: float) -> _Candidate:
         seconds, value = self._step(seqs, ks, prefill)
         value += sum(tables[i][k] if i in tables else 1.0 for i, k in enumerate(ks))
-        return _Candidate(k, min_value, value / seconds, seconds, list(ks))
+        return _Candidate(k, share, value / seconds, seconds, list(ks))
 
     def _candidates(self, seqs, auto, tables, pinned, prefill) -> list[_Candidate]:
         """Plain, and for every k the n sequences of highest E_i(k) drafting k, for n on a grid.
@@ -267,7 +307,7 @@ class AdaptivePolicy:
             return seconds, base_value + value
 
         seconds, value = price(0, 0, 0, 0, 0.0, 0)
-        out = [_Candidate(0, 0.0, value / seconds, seconds, list(pinned))]
+        out = [_Candidate(0, 0.0, value / seconds, seconds, pinned)]
         for k in range(1, self.k_max + 1):
             order = sorted(auto, key=lambda i: -tables[i][k])
             counts = set(_counts(len(order)))
@@ -281,29 +321,26 @@ class AdaptivePolicy:
                 catch_up += _catch_up(seqs[i])
                 if n in counts:
                     seconds, total = price(k, n, rows, att, value, catch_up)
-                    ks = list(pinned)
-                    for j in order[:n]:
-                        ks[j] = k
-                    out.append(_Candidate(k, tables[i][k], total / seconds, seconds, ks))
+                    out.append(
+                        _Candidate(k, n / len(order), total / seconds, seconds, pinned, order[:n])
+                    )
         return out
 
     def _evaluate_held(self, seqs, auto, tables, pinned, prefill) -> _Candidate:
-        k, min_value = self._held
+        k, share = self._held
         ks = list(pinned)
-        if k:
-            for i in auto:
-                if tables[i][k] >= min_value:
-                    ks[i] = k
-        return self._price(seqs, ks, prefill, tables, k, min_value)
+        n = round(share * len(auto)) if k else 0
+        for i in sorted(auto, key=lambda i: -tables[i][k])[:n]:
+            ks[i] = k
+        if n == 0:
+            k, share = 0, 0.0
+        return self._price(seqs, ks, prefill, tables, k, share)
 
     def _maybe_explore(
         self, choice: _Candidate, candidates: list[_Candidate], decode_only: bool
     ) -> _Candidate:
         """Run the best candidate of another draft length now and then (module docstring)."""
-        if not decode_only:
-            return choice
-        self._since_explore += 1
-        if self._since_explore < EXPLORE_INTERVAL:
+        if not self._exploration_due(decode_only):
             return choice
         others = [c for c in candidates if c.k != choice.k]
         if not others:
@@ -314,11 +351,20 @@ class AdaptivePolicy:
         self._since_explore = 0
         return runner_up
 
-    def _draft_stop(self, seqs, choice: _Candidate, prefill: PrefillShape) -> DraftStop:
+    def _exploration_due(self, decode_only: bool) -> bool:
+        """Counts decode-only steps; True once ``EXPLORE_INTERVAL`` passed since the last run of
+        a runner-up."""
+        if decode_only:
+            self._since_explore += 1
+        return decode_only and self._since_explore >= EXPLORE_INTERVAL
+
+    def _draft_stop(
+        self, seqs, ks: list[int], choice: _Candidate, prefill: PrefillShape
+    ) -> DraftStop:
         """The least expected tokens one more draft position must add to pay its marginal time:
         one more verify row and a share of one more draft forward, at the step's goodput."""
-        n = sum(1 for k in choice.ks if k)
-        more = [k + 1 if k else 0 for k in choice.ks]
+        n = sum(1 for k in ks if k)
+        more = [k + 1 if k else 0 for k in ks]
         longer, _ = self._step(seqs, more, prefill)
         per_seq = (longer - choice.seconds) / n
         return DraftStop(
@@ -343,6 +389,16 @@ class AdaptivePolicy:
             "cost_predicted_step_seconds": self._last_seconds,
             "cost_predicted_goodput": self._last_goodput,
         }
+
+
+def _target_shape_of(seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape) -> ForwardShape:
+    """The target forward of a step where sequence i verifies ks[i] drafts beside the prompt
+    chunks of ``prefill``."""
+    rows, attended = prefill.rows, prefill.attended
+    for s, k in zip(seqs, ks, strict=True):
+        rows += 1 + k
+        attended += (1 + k) * (s.num_tokens + k)
+    return ForwardShape(rows, len(seqs) + prefill.seqs, attended)
 
 
 def _catch_up(seq: Sequence) -> int:
