@@ -89,12 +89,20 @@ def _timed_run(runner: ModelRunner, entries: list[RunEntry], repeats: int) -> fl
 class _TempSeqs:
     """Temporary sequences holding blocks for ``context + rows`` slots each; freed on exit."""
 
-    def __init__(self, allocator: BlockAllocator, num_seqs: int, rows: int, vocab: int) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        num_seqs: int,
+        rows: int,
+        vocab: int,
+        context: int = CONTEXT_TOKENS,
+        exact_context: bool = False,
+    ) -> None:
         self.allocator = allocator
         self.seqs: list[Sequence] = []
-        per_seq = allocator.blocks_needed(CONTEXT_TOKENS + rows)
-        self.context = CONTEXT_TOKENS
-        if per_seq * num_seqs > allocator.num_free_blocks:
+        per_seq = allocator.blocks_needed(context + rows)
+        self.context = context
+        if per_seq * num_seqs > allocator.num_free_blocks and not exact_context:
             self.context = 0  # a small pool: drop the context before giving up on the shape
             per_seq = allocator.blocks_needed(rows)
         self.fits = per_seq * num_seqs <= allocator.num_free_blocks
@@ -127,6 +135,25 @@ class _TempSeqs:
         ]
 
 
+def time_forward(
+    runner: ModelRunner,
+    allocator: BlockAllocator,
+    num_seqs: int,
+    rows: int,
+    num_logits: int,
+    context: int = CONTEXT_TOKENS,
+    repeats: int = 2,
+    exact_context: bool = False,
+) -> float | None:
+    """Fastest of ``repeats`` forwards of ``num_seqs`` temporary sequences, each feeding ``rows``
+    tokens after ``context`` keys and keeping ``num_logits`` logits rows; None when the pool cannot
+    hold the shape. Without ``exact_context`` a small pool drops the context before giving up."""
+    with _TempSeqs(allocator, num_seqs, rows, runner.vocab_size, context, exact_context) as tmp:
+        if not tmp.fits:
+            return None
+        return _timed_run(runner, tmp.entries(num_logits), repeats)
+
+
 def calibrate(
     engine: LLMEngine, k_max: int, time_budget: float = 30.0, repeats: int = 2
 ) -> CalibrationResult:
@@ -152,10 +179,7 @@ def calibrate(
                 draft_runner.run(warm.entries(1))
 
     def measure(runner: ModelRunner, num_seqs: int, rows: int, logits: int) -> float | None:
-        with _TempSeqs(engine.allocator, num_seqs, rows, vocab) as tmp:
-            if not tmp.fits:
-                return None
-            return _timed_run(runner, tmp.entries(logits), repeats)
+        return time_forward(runner, engine.allocator, num_seqs, rows, logits, repeats=repeats)
 
     _run_shapes(
         target_shapes,
