@@ -6,6 +6,7 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -45,8 +46,11 @@ class LLMEngine:
         target: LoadedModel | None = None,
         draft: LoadedModel | None = None,
         progress: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
+        # Seconds for every step time the engine measures (a replay injects simulated time).
+        self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -299,7 +303,7 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         k_policy = self.controller.choose_k if self.proposer is not None else None
         if k_policy is not None:
             self.controller.expect_prefill(*self.scheduler.pending_prefill())
@@ -312,7 +316,7 @@ class LLMEngine:
         draft_forwards: list[tuple[int, int]] = []
         if spec_items:
             assert self.proposer is not None
-            td = time.perf_counter()
+            td = self.clock()
             stop_rule = (
                 self.controller.keep_drafting if self.controller.stops_drafts_early else None
             )
@@ -320,15 +324,15 @@ class LLMEngine:
             for item, prop in zip(spec_items, props, strict=True):
                 item.num_spec_tokens = len(prop.token_ids)
                 proposals[item.seq.seq_id] = prop
-            draft_time = time.perf_counter() - td
+            draft_time = self.clock() - td
             draft_forwards = list(self.proposer.last_forwards)
-        tt = time.perf_counter()
+        tt = self.clock()
         outputs = self._verify_and_commit(plan, proposals)
-        target_time = time.perf_counter() - tt
+        target_time = self.clock() - tt
         self.num_steps += 1
         self.controller.observe(
             StepObservation(
-                step_time=time.perf_counter() - t0,
+                step_time=self.clock() - t0,
                 draft_time=draft_time,
                 target_time=target_time,
                 num_target_tokens=plan.num_batched_tokens,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_run(runner: ModelRunner, entries: list[RunEntry], repeats: int) -> float:
+def _timed_run(
+    runner: ModelRunner,
+    entries: list[RunEntry],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Fastest of ``repeats`` forwards (results synchronised before the clock stops).
 
     The minimum, not the mean: other work on the machine only ever adds time, and what the live
@@ -79,10 +85,10 @@ def _timed_run(runner: ModelRunner, entries: list[RunEntry], repeats: int) -> fl
     times = []
     for _ in range(repeats):
         _sync(runner.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         runner.run(entries)
         _sync(runner.device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
@@ -144,6 +150,7 @@ def time_forward(
     context: int = CONTEXT_TOKENS,
     repeats: int = 2,
     exact_context: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float | None:
     """Fastest of ``repeats`` forwards of ``num_seqs`` temporary sequences, each feeding ``rows``
     tokens after ``context`` keys and keeping ``num_logits`` logits rows; None when the pool cannot
@@ -151,14 +158,16 @@ def time_forward(
     with _TempSeqs(allocator, num_seqs, rows, runner.vocab_size, context, exact_context) as tmp:
         if not tmp.fits:
             return None
-        return _timed_run(runner, tmp.entries(num_logits), repeats)
+        return _timed_run(runner, tmp.entries(num_logits), repeats, clock)
 
 
 def calibrate(
     engine: LLMEngine, k_max: int, time_budget: float = 30.0, repeats: int = 2
 ) -> CalibrationResult:
-    """Time target (and draft, if the proposer has a model) forwards; see the module docstring."""
-    start = time.perf_counter()
+    """Time target (and draft, if the proposer has a model) forwards; see the module docstring.
+    Times are read from ``engine.clock`` (wall time unless a replay simulates it)."""
+    clock = getattr(engine, "clock", time.perf_counter)
+    start = clock()
     result = CalibrationResult()
     cfg = engine.config
     sizes = _batch_sizes(cfg.max_num_seqs)
@@ -179,7 +188,9 @@ def calibrate(
                 draft_runner.run(warm.entries(1))
 
     def measure(runner: ModelRunner, num_seqs: int, rows: int, logits: int) -> float | None:
-        return time_forward(runner, engine.allocator, num_seqs, rows, logits, repeats=repeats)
+        return time_forward(
+            runner, engine.allocator, num_seqs, rows, logits, repeats=repeats, clock=clock
+        )
 
     _run_shapes(
         target_shapes,
@@ -188,6 +199,7 @@ def calibrate(
         lambda s, r: measure(engine.target_runner, s, r, r),
         lambda s, r, t: result.target.append(TargetSample(s * r, s, t)),
         repeats,
+        clock,
     )
     if draft_runner is not None:
         _run_shapes(
@@ -197,10 +209,11 @@ def calibrate(
             lambda s, r: measure(draft_runner, s, r, 1),
             lambda s, r, t: result.draft.append(DraftSample(1, s * r, s, t)),
             repeats,
+            clock,
         )
     if engine.allocator.num_free_blocks != free_before:
         raise AssertionError("calibration leaked KV blocks")  # a bug, never expected
-    result.seconds = time.perf_counter() - start
+    result.seconds = clock() - start
     logger.info(
         "controller calibration: %d target and %d draft shapes timed in %.1f s",
         len(result.target),
@@ -213,11 +226,11 @@ def calibrate(
 MIN_SHAPES = 3  # measured whatever the budget says: one plain, one verify, one more
 
 
-def _run_shapes(shapes, start, deadline, measure, record, repeats) -> None:
+def _run_shapes(shapes, start, deadline, measure, record, repeats, clock) -> None:
     """Measure shapes in order until the budget would be overrun (after ``MIN_SHAPES``)."""
     last_rows, last_time, done = 0, 0.0, 0
     for s, r in shapes:
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         rows = s * r
         predicted = last_time * max(1.0, rows / last_rows) * repeats if last_rows else 0.0
         if done >= MIN_SHAPES and elapsed + predicted > deadline:
