@@ -1,7 +1,7 @@
 """Record a trace set (``evals.traces``) of a target/draft pair, and the machine's cost table.
 
 1. The target generates every request's path on a plain engine (greedy at temperature 0, sampled
-   with a per-request seed at temperature 1), batched. A wrapper around the engine's target runner
+   with a per-request seed at temperature 1), batched, one round per temperature. A wrapper around the engine's target runner
    keeps each sampled position's logits row until the step has drawn its token, then stores the
    target's probability of that token and its top ``TARGET_TOP`` tokens at temperature 1: the
    distributions come from the very forwards that produced the path.
@@ -85,8 +85,12 @@ def generate_paths(
         engine.add_request(rid, prompt, params)
         seqs[rid] = engine._seqs[rid]
         per_pos[rid] = {}
-    done = 0
+    done = steps = 0
+    start = time.perf_counter()
     while engine.has_unfinished():
+        steps += 1
+        if steps % 16 == 0:
+            logger.info("paths: step %d, %.1f s", steps, time.perf_counter() - start)
         for out in engine.step():
             if out.finished:
                 done += 1
@@ -155,9 +159,14 @@ def record_requests(
     def progress(done: int, total: int) -> None:
         logger.info("paths: %d/%d requests (%.0f s)", done, total, time.perf_counter() - start)
 
-    paths = generate_paths(
-        target_engine, [(rid, p, params) for rid, _, p, params in requests], progress
-    )
+    # One round per temperature: the second round's prompts hit the prefix cache the first
+    # round filled, so each prompt is prefilled once.
+    paths: dict[str, dict] = {}
+    for temperature in sorted({params.temperature for *_, params in requests}):
+        group = [
+            (rid, p, params) for rid, _, p, params in requests if params.temperature == temperature
+        ]
+        paths.update(generate_paths(target_engine, group, progress))
     logger.info("paths generated in %.0f s", time.perf_counter() - start)
     out = []
     for rid, category, _, params in requests:
