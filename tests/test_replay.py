@@ -235,3 +235,34 @@ def test_missing_trace_set_is_a_clear_error(tmp_path):
 
 def test_scenario_type_is_public():
     assert Scenario.__name__ == "Scenario"
+
+
+def test_replay_command_writes_identical_files_twice(tmp_path, capsys):
+    from api.cli import main
+
+    ts = synthetic_trace_set()
+    save_traces(tmp_path / "t", ts.requests, ts.meta)
+    outputs = []
+    for run in ("a", "b"):
+        argv = ["replay", "--traces", str(tmp_path / "t"), "--output-dir", str(tmp_path / run)]
+        argv += ["--scenarios", "code_c1,mixed", "--policies", "plain,fixed_k2,oracle"]
+        assert main(argv) == 0
+        outputs.append(
+            (
+                (tmp_path / run / "replay.json").read_bytes(),
+                (tmp_path / run / "replay.md").read_bytes(),
+            )
+        )
+    assert outputs[0] == outputs[1]
+    assert b'"fixed_k2"' in outputs[0][0]
+
+
+def test_replay_command_rejects_unknown_names(tmp_path, capsys):
+    from api.cli import main
+
+    ts = synthetic_trace_set()
+    save_traces(tmp_path / "t", ts.requests, ts.meta)
+    argv = ["replay", "--traces", str(tmp_path / "t"), "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--policies", "fixed_k9"]) == 2
+    assert "unknown policy fixed_k9" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -42,7 +42,7 @@ def _pick(text: str, items: list, what: str) -> list:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from evals.environment import command_line
+    from evals.environment import command_line, git_commit
     from evals.replay import default_policies
     from evals.replay_suite import default_scenarios, run_suite, to_json, to_markdown
     from evals.traces import load_traces
@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     (out / "replay.json").write_text(to_json(report))
     meta = traces.meta
     header = (
-        f"# Replay\n\n`{command_line()}` on the traces recorded by `{meta.get('command', '?')}` "
+        f"# Replay\n\n`{command_line()}` (commit {git_commit()}) on the traces "
+        f"recorded by `{meta.get('command', '?')}` "
         f"(commit {meta.get('commit', '?')}; {meta.get('machine', {}).get('cpu', '?')}, "
         f"{meta.get('machine', {}).get('threads', '?')} threads). Output tokens per simulated "
         f"second; the best policy of each scenario in bold.\n\n"

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import time
-from pathlib import Path
 
 from engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
 from engine.errors import ConfigError
@@ -43,17 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cost-table", action="store_true", help="skip the step-cost table")
 
 
-def _git_commit() -> str:
-    try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -62,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.loader import load_model
     from engine.sampling_params import SamplingParams
     from evals.cost_table import cpu_flags_summary, measure_cost_table
-    from evals.environment import command_line, environment_info
+    from evals.environment import command_line, environment_info, git_commit
     from evals.trace_record import plain_engine, record_requests
     from evals.traces import save_traces
 
@@ -100,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     defaults = EngineConfig()
     meta = {
         "command": command_line(),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "target": args.model,
         "draft": args.draft_model,
         "max_tokens": args.max_tokens,
