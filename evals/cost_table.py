@@ -5,10 +5,12 @@ Measured (``measure_cost_table``) with the controller's own calibration timer
 sequences from the engine's allocator):
 
 - ``target``: forwards by (sequences, rows) at a short context, every uniform verify shape up to
-  ``MAX_K + 1`` rows per sequence at 1-32 sequences, plus single-sequence prefill chunks;
+  ``MAX_K + 1`` rows per sequence at 1-32 sequences (every row's logits kept, as a verify does),
+  plus single-sequence prefill chunks (the last row's logits only);
 - ``target_context``: a few of those shapes again after 256-4000 context tokens per sequence;
 - ``draft`` and ``draft_context``: the same for the draft (1-2 rows per sequence, plus catch-ups);
-- ``sampling``: the engine's sampling (warp and draw) over the real vocabulary, by rows.
+- ``sampling``: the engine's sampling (warp and draw) over the real vocabulary, by rows, greedy
+  (temperature 0) and sampled (temperature 1).
 
 ``StepCosts`` prices a forward from the table: piecewise-linear in rows for each measured
 sequence count, linear between sequence counts, plus an attention term linear in the keys each
@@ -53,7 +55,7 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
 
     import torch
 
-    from engine.gpu_sampling import probs_for_rows
+    from engine.gpu_sampling import probs_for_rows, sample_from_probs
     from engine.sampling import RowContext
     from engine.sampling_params import SamplingParams
     from specdec.controller.calibration import time_forward
@@ -63,7 +65,8 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
         for seqs, rows in shapes:
             if context + rows > engine.target.arch.max_position_embeddings:
                 continue
-            logits = rows if logits_all else 1
+            # verify shapes keep every row's logits, prefill chunks and drafts only the last
+            logits = rows if logits_all and rows <= MAX_K + 1 else 1
             t = time_forward(
                 engine.target_runner,
                 engine.allocator,
@@ -94,18 +97,20 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
     table["draft_context"] = [
         row for c in CONTEXTS for row in sweep(draft_engine, DRAFT_CONTEXT_SHAPES, c, False)
     ]
-    # The engine's sampling over the real vocabulary (temperature 1: softmax, then a draw).
+    # The engine's sampling over the real vocabulary: warp, then draw (greedy: the argmax).
     vocab = target_engine.target_runner.vocab_size
     sampling = []
-    for rows in SAMPLING_ROWS:
-        logits = torch.randn(rows, vocab)
-        ctx = [RowContext(SamplingParams(temperature=1.0), [1], [])] * rows
-        best = float("inf")
-        for _ in range(max(repeats, 3)):
-            t0 = time.perf_counter()
-            torch.multinomial(probs_for_rows(logits, ctx), 1)
-            best = min(best, time.perf_counter() - t0)
-        sampling.append({"rows": rows, "seconds": best})
+    for temperature in (0.0, 1.0):
+        for rows in SAMPLING_ROWS:
+            logits = torch.randn(rows, vocab)
+            ctx = [RowContext(SamplingParams(temperature=temperature), [1], [])] * rows
+            best = float("inf")
+            for _ in range(max(repeats, 3)):
+                t0 = time.perf_counter()
+                probs = probs_for_rows(logits, ctx)
+                sample_from_probs(probs, [temperature == 0] * rows, [None] * rows)
+                best = min(best, time.perf_counter() - t0)
+            sampling.append({"rows": rows, "temperature": temperature, "seconds": best})
     table["sampling"] = sampling
     return table
 
@@ -164,8 +169,15 @@ class StepCosts:
         self.draft = _RowsBySeqs(table["draft"])
         self.target_attention = _attention_slope(self.target, table.get("target_context", []))
         self.draft_attention = _attention_slope(self.draft, table.get("draft_context", []))
-        sampling = sorted((p["rows"], p["seconds"]) for p in table.get("sampling", []))
-        self._sampling = ([r for r, _ in sampling], [t for _, t in sampling])
+        self._sampling: dict[float, tuple[list[int], list[float]]] = {}
+        for temperature in (0.0, 1.0):
+            points = sorted(
+                (p["rows"], p["seconds"])
+                for p in table.get("sampling", [])
+                if p.get("temperature", 1.0) == temperature
+            )
+            if points:
+                self._sampling[temperature] = ([r for r, _ in points], [t for _, t in points])
 
     @staticmethod
     def attended(entries: Sequence[tuple[int, int]]) -> float:
@@ -173,16 +185,21 @@ class StepCosts:
         a row at position i attends i + 1 keys."""
         return sum(n * max(0.0, start + (n + 1) / 2 - SHORT_CONTEXT) for n, start in entries)
 
-    def target_seconds(self, entries: Sequence[tuple[int, int]], sampled_rows: int) -> float:
+    def target_seconds(
+        self, entries: Sequence[tuple[int, int]], greedy_rows: int = 0, sampled_rows: int = 0
+    ) -> float:
+        """A target forward over ``entries`` ((rows, start position) each) and the sampling of
+        its ``greedy_rows`` (temperature 0) and ``sampled_rows`` (temperature 1) logits rows."""
         rows = sum(n for n, _ in entries)
         t = self.target(rows, len(entries)) + self.target_attention * self.attended(entries)
-        return t + self.sampling_seconds(sampled_rows)
+        return t + self.sampling_seconds(greedy_rows, 0.0) + self.sampling_seconds(sampled_rows)
 
     def draft_seconds(self, entries: Sequence[tuple[int, int]]) -> float:
         rows = sum(n for n, _ in entries)
         return self.draft(rows, len(entries)) + self.draft_attention * self.attended(entries)
 
-    def sampling_seconds(self, rows: int) -> float:
-        if rows <= 0 or not self._sampling[0]:
+    def sampling_seconds(self, rows: int, temperature: float = 1.0) -> float:
+        curve = self._sampling.get(0.0 if temperature == 0 else 1.0)
+        if rows <= 0 or curve is None:
             return 0.0
-        return _interp(*self._sampling, rows)
+        return _interp(*curve, rows)

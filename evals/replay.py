@@ -178,11 +178,12 @@ class _TraceRunner:
 class TraceTargetRunner(_TraceRunner):
     def run(self, entries: Sequence[RunEntry]) -> torch.Tensor:
         logits = torch.zeros(sum(e.num_logits for e in entries), LOCAL_VOCAB)
-        row = sampled = 0
+        row = 0
+        rows_by_temperature = [0, 0]  # greedy, sampled: what the live engine would sample
         for e in entries:
             req = self.book.get(e.seq.request_id)
             if req is not None:
-                sampled += e.num_logits
+                rows_by_temperature[req.temperature > 0] += e.num_logits
             first = e.start_pos + len(e.token_ids) - e.num_logits
             for j in range(e.num_logits):
                 # the row at position i predicts the token at i + 1
@@ -190,20 +191,20 @@ class TraceTargetRunner(_TraceRunner):
                 logits[row, tok if tok is not None else FIRST_ID] = 1.0
                 row += 1
         self.num_forwards += 1
-        self.clock.charge(
-            self.costs.target_seconds([(len(e.token_ids), e.start_pos) for e in entries], sampled)
-        )
+        shape = [(len(e.token_ids), e.start_pos) for e in entries]
+        self.clock.charge(self.costs.target_seconds(shape, *rows_by_temperature))
         return logits
 
 
 class TraceDraftRunner(_TraceRunner):
     def run(self, entries: Sequence[RunEntry]) -> torch.Tensor:
         logits = torch.empty(sum(e.num_logits for e in entries), LOCAL_VOCAB)
-        row = sampled = 0
+        row = 0
+        rows_by_temperature = [0, 0]
         for e in entries:
             req = self.book.get(e.seq.request_id)
             if req is not None:
-                sampled += e.num_logits
+                rows_by_temperature[req.temperature > 0] += e.num_logits
             first = e.start_pos + len(e.token_ids) - e.num_logits
             for j in range(e.num_logits):
                 pos = first + j + 1  # the position this row predicts
@@ -225,8 +226,11 @@ class TraceDraftRunner(_TraceRunner):
                 row += 1
         self.num_forwards += 1
         entries_shape = [(len(e.token_ids), e.start_pos) for e in entries]
+        greedy, sampled = rows_by_temperature
         self.clock.charge(
-            self.costs.draft_seconds(entries_shape) + self.costs.sampling_seconds(sampled)
+            self.costs.draft_seconds(entries_shape)
+            + self.costs.sampling_seconds(greedy, 0.0)
+            + self.costs.sampling_seconds(sampled, 1.0)
         )
         return logits
 
@@ -453,7 +457,11 @@ class OracleController:
         rows, n = self._prefill
         entries = [(1 + k, s.num_tokens - 1) for s, k in zip(seqs, ks, strict=True)]
         entries += [(rows // n, 0)] * n if n else []
-        t = self.costs.target_seconds(entries, sum(1 + k for k in ks) + n)
+        greedy = [s.params.greedy or self._temperature(s) == 0 for s in seqs]
+        by_temperature = [0, n]  # prefills priced as sampled rows: their temperature is unknown
+        for g, k in zip(greedy, ks, strict=True):
+            by_temperature[not g] += 1 + k
+        t = self.costs.target_seconds(entries, *by_temperature)
         for j in range(max(ks, default=0)):
             drafting = [s for s, k in zip(seqs, ks, strict=True) if k > j]
             if j == 0:
@@ -463,8 +471,17 @@ class OracleController:
                 ]
             else:
                 d = [(1, s.num_tokens + j - 1) for s in drafting]
-            t += self.costs.draft_seconds(d) + self.costs.sampling_seconds(len(d))
+            drafting_greedy = sum(
+                1 for s, k, g in zip(seqs, ks, greedy, strict=True) if k > j and g
+            )
+            t += self.costs.draft_seconds(d)
+            t += self.costs.sampling_seconds(drafting_greedy, 0.0)
+            t += self.costs.sampling_seconds(len(d) - drafting_greedy, 1.0)
         return t
+
+    def _temperature(self, seq) -> float:
+        req = self.book.get(seq.request_id)
+        return req.temperature if req is not None else 1.0
 
     def choose_k(self, seqs) -> list[int]:
         leading = [self._leading(s) for s in seqs]

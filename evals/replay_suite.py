@@ -68,8 +68,8 @@ def plain_seconds_estimate(requests: Sequence[ReplayRequest], c: int, costs: Ste
     """Rough plain-decoding duration of a closed loop at concurrency ``c`` (for placing slow-down
     windows and stalls inside the run): steps of ``c`` one-row decodes, plus the prompts."""
     tokens = sum(len(r.path) for r in requests)
-    step = costs.target_seconds([(1, len(r.prompt)) for r in requests[:c]], c)
-    prefill = sum(costs.target_seconds([(len(r.prompt), 0)], 1) for r in requests)
+    step = costs.target_seconds([(1, len(r.prompt)) for r in requests[:c]], sampled_rows=c)
+    prefill = sum(costs.target_seconds([(len(r.prompt), 0)], sampled_rows=1) for r in requests)
     return tokens / min(c, len(requests)) * step + prefill
 
 
@@ -98,7 +98,9 @@ def _stalls(traces: TraceSet, costs: StepCosts) -> Workload:
     c = 4
     reqs = build_requests("stalls", open_pool(traces.requests), requests_for(c))
     est = plain_seconds_estimate(reqs, c, costs)
-    stall = 10 * costs.target_seconds([(1, 256)], 1)  # ten single-sequence decode steps
+    stall = 10 * costs.target_seconds(
+        [(1, 256)], sampled_rows=1
+    )  # ten single-sequence decode steps
     return Workload(
         reqs, c, stalls=[est * f for f in (0.15, 0.35, 0.55, 0.75)], stall_seconds=stall
     )
@@ -129,7 +131,9 @@ def _mixed(traces: TraceSet, costs: StepCosts) -> Workload:
     picks = rng.random(n) < 0.5
     reqs = [code[i] if picks[i] else chat[i] for i in range(n)]
     mean_tokens = sum(len(r.path) for r in reqs) / n
-    plain_rate = 8 / costs.target_seconds([(1, 256)] * 8, 8)  # tokens/s at eight sequences
+    plain_rate = 8 / costs.target_seconds(
+        [(1, 256)] * 8, sampled_rows=8
+    )  # tokens/s at eight sequences
     rate = 0.6 * plain_rate / mean_tokens  # requests per second
     t = 0.0
     for r, gap in zip(reqs, rng.exponential(1.0 / rate, n), strict=True):

@@ -185,8 +185,8 @@ def test_step_costs_interpolate_and_price_context():
     assert COSTS.target(7, 1) == pytest.approx(0.05 + 0.014 + 0.001)
     assert COSTS.target(24, 3) == pytest.approx(0.05 + 0.048 + 0.003, rel=0.05)
     assert COSTS.target_attention == pytest.approx(1e-9)
-    long = COSTS.target_seconds([(1, 4000)], 1)
-    short = COSTS.target_seconds([(1, 31)], 1)
+    long = COSTS.target_seconds([(1, 4000)], sampled_rows=1)
+    short = COSTS.target_seconds([(1, 31)], sampled_rows=1)
     assert long > short
 
 
