@@ -49,6 +49,7 @@ LOCAL_VOCAB = 64  # small: the engine's sampling rows stay cheap
 EOS_ID = 1  # never emitted: requests finish at their recorded length
 FIRST_ID = 2  # local ids of recorded tokens start here
 MAX_K = 6  # the engine's default num_speculative_tokens, the largest fixed policy
+CAUGHT_UP_ROWS = 2  # a draft that kept pace reads one or two tokens at a step's first forward
 REPLAY_MAX_MODEL_LEN = 4096
 
 
@@ -430,8 +431,10 @@ class OracleController:
     choices k_i = min(L_i, K) for K = 0..k_max it picks the one that maximises the step's committed
     decode tokens, sum_i (k_i + 1), divided by the step's seconds priced from the cost table (the
     target forward with its verify rows and the prefill rows the engine says the step can carry,
-    sampling, and the draft forwards those k's need), without the scenario's slow-downs or stalls.
-    Drafting past L_i only adds cost, so no other k_i <= k_max beats these at a given K.
+    sampling, and the draft forwards those k's need with every draft priced as caught up), without
+    the scenario's slow-downs or stalls. Drafting past L_i only adds cost, so no other k_i <= k_max
+    beats these at a given K. Catch-up the draft owes (a prompt, steps it sat out) is left out of
+    the choice, since every drafting policy pays it once; the clock still charges it.
     """
 
     stops_drafts_early = False
@@ -465,8 +468,11 @@ class OracleController:
         for j in range(max(ks, default=0)):
             drafting = [s for s, k in zip(seqs, ks, strict=True) if k > j]
             if j == 0:
+                # A draft that sat out earlier steps (or never read the prompt) catches up
+                # here; every policy that drafts pays that once, so the choice is priced as if
+                # it were caught up (its last committed token or two).
                 d = [
-                    (s.num_tokens - s.num_draft_computed_tokens, s.num_draft_computed_tokens)
+                    (min(CAUGHT_UP_ROWS, s.num_tokens - s.num_draft_computed_tokens), s.num_tokens)
                     for s in drafting
                 ]
             else:
