@@ -8,13 +8,17 @@ sequences from the engine's allocator):
   ``MAX_K + 1`` rows per sequence at 1-32 sequences (every row's logits kept, as a verify does),
   plus single-sequence prefill chunks (the last row's logits only);
 - ``target_context``: a few of those shapes again after 256-4000 context tokens per sequence;
-- ``draft`` and ``draft_context``: the same for the draft (1-2 rows per sequence, plus catch-ups);
+- ``target_prefill_context``: a 512-row prefill chunk after 1024-3500 context tokens;
+- ``draft``, ``draft_context``, ``draft_prefill_context``: the same for the draft (1-2 rows per
+  sequence, plus catch-ups);
 - ``sampling``: the engine's sampling (warp and draw) over the real vocabulary, by rows, greedy
   (temperature 0) and sampled (temperature 1).
 
 ``StepCosts`` prices a forward from the table: piecewise-linear in rows for each measured
 sequence count, linear between sequence counts, plus an attention term linear in the keys each
-row attends to (``rows x context``, the slope fitted from the context points by least squares).
+row attends to (``rows x context``, the slope fitted from the context points by least squares),
+with one slope for decode and verify entries (up to ``MAX_K + 1`` rows) and one for prefill
+entries (the prefill-context points; the decode slope where a table has none).
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ MAX_K = 6
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 PREFILL_ROWS = (16, 32, 64, 128, 256, 512)
 CONTEXTS = (256, 1024, 2048, 4000)
+PREFILL_CONTEXTS = (1024, 2048, 3500)  # keys before a 512-row prefill chunk
 CONTEXT_SHAPES = ((1, 1), (1, MAX_K + 1), (4, 1), (4, MAX_K + 1))  # (sequences, rows each)
 DRAFT_CATCH_UP_ROWS = (4, 16, 64, 256, 512)
 DRAFT_CONTEXT_SHAPES = ((1, 1), (4, 1), (4, 2))
+DRAFT_PREFILL_CONTEXTS = (1024, 2048, 3500)  # keys before a 512-row prefill chunk
+CONTEXT_SHAPES = ((1, 1), (4, 1), (4, 2))
 SAMPLING_ROWS = (1, 4, 16, 64, 224)
 SHORT_CONTEXT = 32  # what the calibration timer puts before every shape by default
 
@@ -91,11 +98,18 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
     table["target_context"] = [
         row for c in CONTEXTS for row in sweep(target_engine, CONTEXT_SHAPES, c, True)
     ]
+    # Prefill chunks after a long context: attention there is compute-bound, priced apart.
+    table["target_prefill_context"] = [
+        row for c in PREFILL_CONTEXTS for row in sweep(target_engine, [(1, 512)], c, False)
+    ]
     draft_grid = [(s, r) for s in BATCH_SIZES for r in (1, 2)]
     draft_grid += [(1, r) for r in DRAFT_CATCH_UP_ROWS]
     table["draft"] = sweep(draft_engine, draft_grid, SHORT_CONTEXT, False)
     table["draft_context"] = [
         row for c in CONTEXTS for row in sweep(draft_engine, DRAFT_CONTEXT_SHAPES, c, False)
+    ]
+    table["draft_prefill_context"] = [
+        row for c in PREFILL_CONTEXTS for row in sweep(draft_engine, [(1, 512)], c, False)
     ]
     # The engine's sampling over the real vocabulary: warp, then draw (greedy: the argmax).
     vocab = target_engine.target_runner.vocab_size
@@ -169,6 +183,14 @@ class StepCosts:
         self.draft = _RowsBySeqs(table["draft"])
         self.target_attention = _attention_slope(self.target, table.get("target_context", []))
         self.draft_attention = _attention_slope(self.draft, table.get("draft_context", []))
+        prefill = table.get("target_prefill_context")
+        self.target_prefill_attention = (
+            _attention_slope(self.target, prefill) if prefill else self.target_attention
+        )
+        prefill = table.get("draft_prefill_context")
+        self.draft_prefill_attention = (
+            _attention_slope(self.draft, prefill) if prefill else self.draft_attention
+        )
         self._sampling: dict[float, tuple[list[int], list[float]]] = {}
         for temperature in (0.0, 1.0):
             points = sorted(
@@ -180,10 +202,15 @@ class StepCosts:
                 self._sampling[temperature] = ([r for r, _ in points], [t for _, t in points])
 
     @staticmethod
-    def attended(entries: Sequence[tuple[int, int]]) -> float:
-        """Keys attended beyond the short context, summed over rows: (rows, start position) each;
-        a row at position i attends i + 1 keys."""
-        return sum(n * max(0.0, start + (n + 1) / 2 - SHORT_CONTEXT) for n, start in entries)
+    def attended(entries: Sequence[tuple[int, int]], prefill: bool) -> float:
+        """Keys attended beyond the short context, summed over the rows of the decode/verify
+        entries (or of the prefill entries, more than ``MAX_K + 1`` rows): (rows, start position)
+        each; a row at position i attends i + 1 keys."""
+        return sum(
+            n * max(0.0, start + (n + 1) / 2 - SHORT_CONTEXT)
+            for n, start in entries
+            if (n > MAX_K + 1) == prefill
+        )
 
     def target_seconds(
         self, entries: Sequence[tuple[int, int]], greedy_rows: int = 0, sampled_rows: int = 0
@@ -191,12 +218,16 @@ class StepCosts:
         """A target forward over ``entries`` ((rows, start position) each) and the sampling of
         its ``greedy_rows`` (temperature 0) and ``sampled_rows`` (temperature 1) logits rows."""
         rows = sum(n for n, _ in entries)
-        t = self.target(rows, len(entries)) + self.target_attention * self.attended(entries)
+        t = self.target(rows, len(entries))
+        t += self.target_attention * self.attended(entries, prefill=False)
+        t += self.target_prefill_attention * self.attended(entries, prefill=True)
         return t + self.sampling_seconds(greedy_rows, 0.0) + self.sampling_seconds(sampled_rows)
 
     def draft_seconds(self, entries: Sequence[tuple[int, int]]) -> float:
         rows = sum(n for n, _ in entries)
-        return self.draft(rows, len(entries)) + self.draft_attention * self.attended(entries)
+        t = self.draft(rows, len(entries))
+        t += self.draft_attention * self.attended(entries, prefill=False)
+        return t + self.draft_prefill_attention * self.attended(entries, prefill=True)
 
     def sampling_seconds(self, rows: int, temperature: float = 1.0) -> float:
         curve = self._sampling.get(0.0 if temperature == 0 else 1.0)
