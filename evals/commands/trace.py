@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     g.add_argument("--max-num-seqs", type=int, default=16, help="batch while generating paths")
     g.add_argument("--no-cost-table", action="store_true", help="skip the step-cost table")
+    g.add_argument(
+        "--cost-table-only",
+        action="store_true",
+        help="keep the requests already in --output-dir and measure only a new cost table",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from evals.cost_table import cpu_flags_summary, measure_cost_table
     from evals.environment import command_line, environment_info, git_commit
     from evals.trace_record import plain_engine, record_requests
-    from evals.traces import save_traces
+    from evals.traces import load_traces, save_traces
 
     if args.max_tokens < 2:
         raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
@@ -66,8 +71,21 @@ def run(args: argparse.Namespace) -> int:
     dtype, device = torch.float32, torch.device("cpu")
     target = load_model(args.model, dtype, device, progress=False)
     draft = load_model(args.draft_model, dtype, device, progress=False)
-    target_engine = plain_engine(target, 2.0, args.max_num_seqs, args.seed)
-    draft_engine = plain_engine(draft, 1.0, args.max_num_seqs, args.seed)
+    # Pools big enough for the batch and for four 4k contexts of the cost table, no more.
+    target_engine = plain_engine(target, 1.2, args.max_num_seqs, args.seed)
+    draft_engine = plain_engine(draft, 0.6, args.max_num_seqs, args.seed)
+    if args.cost_table_only:
+        existing = load_traces(args.output_dir)
+        meta = dict(existing.meta)
+        meta["cost_table"] = measure_cost_table(target_engine, draft_engine)
+        meta["cost_table_command"] = command_line()
+        meta["cost_table_commit"] = git_commit()
+        meta["cost_table_machine"] = dict(
+            environment_info(), cpu_flags=cpu_flags_summary(), dtype="float32", threads=args.threads
+        )
+        save_traces(args.output_dir, existing.requests, meta)
+        print(f"measured a new cost table into {args.output_dir}")
+        return 0
 
     prompts = load_categories(categories)
     requests = []
