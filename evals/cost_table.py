@@ -35,8 +35,6 @@ PREFILL_CONTEXTS = (1024, 2048, 3500)  # keys before a 512-row prefill chunk
 CONTEXT_SHAPES = ((1, 1), (1, MAX_K + 1), (4, 1), (4, MAX_K + 1))  # (sequences, rows each)
 DRAFT_CATCH_UP_ROWS = (4, 16, 64, 256, 512)
 DRAFT_CONTEXT_SHAPES = ((1, 1), (4, 1), (4, 2))
-DRAFT_PREFILL_CONTEXTS = (1024, 2048, 3500)  # keys before a 512-row prefill chunk
-CONTEXT_SHAPES = ((1, 1), (4, 1), (4, 2))
 SAMPLING_ROWS = (1, 4, 16, 64, 224)
 SHORT_CONTEXT = 32  # what the calibration timer puts before every shape by default
 
@@ -230,7 +228,10 @@ class StepCosts:
         return t + self.draft_prefill_attention * self.attended(entries, prefill=True)
 
     def sampling_seconds(self, rows: int, temperature: float = 1.0) -> float:
-        curve = self._sampling.get(0.0 if temperature == 0 else 1.0)
+        # A table with one curve prices both kinds of rows by it.
+        curve = self._sampling.get(0.0 if temperature == 0 else 1.0) or next(
+            iter(self._sampling.values()), None
+        )
         if rows <= 0 or curve is None:
             return 0.0
         return _interp(*curve, rows)
