@@ -64,8 +64,16 @@ def run(args: argparse.Namespace) -> int:
         f"# Replay\n\n`{command_line()}` (commit {git_commit()}) on the traces "
         f"recorded by `{meta.get('command', '?')}` "
         f"(commit {meta.get('commit', '?')}; {meta.get('machine', {}).get('cpu', '?')}, "
-        f"{meta.get('machine', {}).get('threads', '?')} threads). Output tokens per simulated "
-        f"second; the best policy of each scenario in bold.\n\n"
+        f"{meta.get('machine', {}).get('threads', '?')} threads)"
+    )
+    if "cost_table_command" in meta:
+        header += (
+            f", cost table by `{meta['cost_table_command']}` "
+            f"(commit {meta.get('cost_table_commit', '?')})"
+        )
+    header += (
+        ". Output tokens per simulated second; the best policy of each scenario in bold. "
+        "docs/evals.md explains the scenarios, policies and approximations.\n\n"
     )
     (out / "replay.md").write_text(to_markdown(report, header))
     print(to_markdown(report))
