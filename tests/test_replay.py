@@ -266,3 +266,18 @@ def test_replay_command_rejects_unknown_names(tmp_path, capsys):
     assert main([*argv, "--policies", "fixed_k9"]) == 2
     assert "unknown policy fixed_k9" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_committed_trace_set_covers_every_category_and_replays():
+    from evals.datasets import CATEGORIES
+
+    traces = load_traces()
+    seen = {(t.category, t.temperature) for t in traces.requests}
+    assert seen == {(c, t) for c in CATEGORIES for t in (0.0, 1.0)}
+    table = traces.cost_table
+    for key in ("target", "target_context", "target_prefill_context", "draft", "sampling"):
+        assert table[key], key
+    scenario = [s for s in default_scenarios() if s.name == "code_c1"]
+    policies = [p for p in default_policies() if p.name in ("plain", "fixed_k2")]
+    tps = run_suite(traces, scenario, policies)["scenarios"][0]["tokens_per_s"]
+    assert tps["fixed_k2"] > tps["plain"] > 0  # code at T = 0, one client: drafts pay
