@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pull": ("api.commands.pull", "download, verify and convert the embedded default models"),
     "eval": ("evals.commands.eval", "offline acceptance-rate evals of a target/draft pair"),
     "bench": ("evals.commands.bench", "load-test a running server (spec vs plain arms)"),
+    "trace": ("evals.commands.trace", "record acceptance traces and the step-cost table"),
+    "replay": ("evals.commands.replay", "replay speculation policies on recorded traces"),
 }
 
 

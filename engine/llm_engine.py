@@ -52,6 +52,10 @@ DRAFT_Q_LENS = (1, 2)
 
 
 class LLMEngine:
+    # Whether the adaptive policy's step-cost table is cached per machine (a replay, whose
+    # forwards are simulated, measures its own every time).
+    cache_calibration = True
+
     def __init__(
         self,
         config: EngineConfig,
@@ -134,6 +138,8 @@ class LLMEngine:
                 self.allocator,
                 self.dtype,
                 self.max_model_len,
+                clock=self.clock,
+                cache=self.cache_calibration,
             )
         self.spec_stats = SpecStats()
         self.step_totals = StepTotals()

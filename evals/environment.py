@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,3 +40,17 @@ def environment_info() -> dict:
 def command_line() -> str:
     """The invocation as a `specdec ...` command (argv[0] is the entry point or a module)."""
     return shlex.join(["specdec", *sys.argv[1:]])
+
+
+def git_commit() -> str:
+    """Short hash of the checkout this code runs from ("unknown" outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"

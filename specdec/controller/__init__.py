@@ -6,13 +6,20 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from specdec.controller.cost_table import CalibrationSpec, cached_or_measured, machine_description
+from specdec.controller.cost_table import (
+    CalibrationSpec,
+    cached_or_measured,
+    machine_description,
+    measure,
+)
 from specdec.controller.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
 
 logger = logging.getLogger(__name__)
@@ -33,9 +40,12 @@ def build_policy(
     allocator: BlockAllocator,
     dtype: torch.dtype,
     max_model_len: int,
+    clock: Callable[[], float] = time.perf_counter,
+    cache: bool = True,
 ) -> SpeculationPolicy:
     """The policy ``config`` asks for; an adaptive one is seeded with the machine's step-cost
-    table (read from the cache, or measured on the runners) when ``controller_warmup`` is set."""
+    table when ``controller_warmup`` is set: read from the cache, or measured on the runners
+    against ``clock`` (and, with ``cache``, stored for the next start)."""
     k_max = config.num_speculative_tokens
     if config.speculative_policy == "fixed":
         return FixedPolicy(k_max)
@@ -55,7 +65,10 @@ def build_policy(
             budget_seconds=CALIBRATION_SECONDS,
         )
         machine = machine_description(target.device, dtype, models)
-        table = cached_or_measured(target, draft, allocator, spec, machine)
+        if cache:
+            table = cached_or_measured(target, draft, allocator, spec, machine, clock=clock)
+        else:
+            table = measure(target, draft, allocator, spec, machine, clock)
         table.seed(policy.cost)
         logger.info("speculation policy seeded with %d timed shapes", len(table.samples))
     return policy

@@ -38,6 +38,7 @@ SHORT_CONTEXT = 32  # keys each temporary sequence attends over in most shapes
 LONG_CONTEXT = 1024  # the long-context shapes: attention's share of a step shows here
 MIN_SHAPES = 3  # measured whatever the budget says: one plain, one verify, one more
 FORMAT_VERSION = 1
+Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def cached_or_measured(
     spec: CalibrationSpec,
     machine: dict,
     cache_dir: Path | None = None,
+    clock: Clock = time.perf_counter,
 ) -> CostTable:
     """The cached table for this machine and spec, or a fresh measurement stored for next time."""
     key = hashlib.sha256(
@@ -141,7 +143,7 @@ def cached_or_measured(
             return table
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
             logger.warning("ignoring unreadable step-cost table %s: %s", path, exc)
-    table = measure(target, draft, allocator, spec, machine)
+    table = measure(target, draft, allocator, spec, machine, clock)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table.to_json(), indent=1))
@@ -155,9 +157,11 @@ def measure(
     allocator: BlockAllocator,
     spec: CalibrationSpec,
     machine: dict,
+    clock: Clock = time.perf_counter,
 ) -> CostTable:
-    """Time bare forwards of every shape in the module docstring, within the budget."""
-    start = time.perf_counter()
+    """Time bare forwards of every shape in the module docstring, within the budget, on
+    ``clock`` (wall time unless a replay simulates it)."""
+    start = clock()
     table = CostTable(machine)
     free_before = allocator.num_free_blocks
     vocab = target.vocab_size
@@ -171,7 +175,7 @@ def measure(
         with _TempSeqs(allocator, seqs, rows, context, vocab) as tmp:
             if not tmp.fits:
                 return None
-            seconds = _fastest(runner, tmp.entries(logits), spec.repeats)
+            seconds = _fastest(runner, tmp.entries(logits), spec.repeats, clock)
             attended = seqs * rows * (tmp.context + rows)
             table.samples.append(CostSample(name, seqs * rows, seqs, attended, seconds))
             return seconds
@@ -187,6 +191,7 @@ def measure(
         start,
         budget_target,
         lambda s, r, c: timed(target, "target", s, r, c, r),
+        clock,
     )
     if draft is not None:
         # Draft forwards of 1-2 rows per sequence, and two catch-ups of one sequence: a draft
@@ -198,10 +203,11 @@ def measure(
             start,
             spec.budget_seconds,
             lambda s, r, c: timed(draft, "draft", s, r, c, 1),
+            clock,
         )
     if allocator.num_free_blocks != free_before:
         raise AssertionError("calibration leaked KV blocks")  # a bug, never expected
-    table.seconds = time.perf_counter() - start
+    table.seconds = clock() - start
     logger.info("step-cost table: %d shapes timed in %.1f s", len(table.samples), table.seconds)
     return table
 
@@ -232,6 +238,7 @@ def _run_in_budget(
     start: float,
     deadline: float,
     measure_one: Callable[[int, int, int], float | None],
+    clock: Clock,
 ) -> None:
     """Measure shapes in order until the next one would overrun the budget (after
     ``MIN_SHAPES``), predicting its time from the last one's by rows."""
@@ -239,7 +246,7 @@ def _run_in_budget(
     for s, r, c in shapes:
         rows = s * r
         predicted = last_time * max(1.0, rows / last_rows) if last_rows else 0.0
-        if done >= MIN_SHAPES and time.perf_counter() - start + predicted > deadline:
+        if done >= MIN_SHAPES and clock() - start + predicted > deadline:
             break
         t = measure_one(s, r, c)
         if t is not None:
@@ -251,16 +258,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fastest(runner: ModelRunner, entries: list[RunEntry], repeats: int) -> float:
+def time_forward(
+    runner: ModelRunner,
+    allocator: BlockAllocator,
+    num_seqs: int,
+    rows: int,
+    num_logits: int,
+    context: int = SHORT_CONTEXT,
+    repeats: int = 2,
+    exact_context: bool = False,
+    clock: Clock = time.perf_counter,
+) -> float | None:
+    """Fastest of ``repeats`` forwards of ``num_seqs`` temporary sequences, each feeding ``rows``
+    tokens after ``context`` keys and keeping ``num_logits`` logits rows; None when the pool
+    cannot hold the shape. Without ``exact_context`` a small pool drops the context first."""
+    with _TempSeqs(allocator, num_seqs, rows, context, runner.vocab_size, exact_context) as tmp:
+        if not tmp.fits:
+            return None
+        return _fastest(runner, tmp.entries(num_logits), repeats, clock)
+
+
+def _fastest(runner: ModelRunner, entries: list[RunEntry], repeats: int, clock: Clock) -> float:
     """Fastest of ``repeats`` forwards: other work on a machine only ever adds time, and what a
     live step adds to a bare forward the live fit learns."""
     times = []
     for _ in range(repeats):
         _sync(runner.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         runner.run(entries)
         _sync(runner.device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
@@ -268,13 +295,19 @@ class _TempSeqs:
     """Temporary sequences holding blocks for ``context + rows`` slots each; freed on exit."""
 
     def __init__(
-        self, allocator: BlockAllocator, num_seqs: int, rows: int, context: int, vocab: int
+        self,
+        allocator: BlockAllocator,
+        num_seqs: int,
+        rows: int,
+        context: int,
+        vocab: int,
+        exact_context: bool = False,
     ) -> None:
         self.allocator = allocator
         self.seqs: list[Sequence] = []
         self.context = context
         per_seq = allocator.blocks_needed(context + rows)
-        if per_seq * num_seqs > allocator.num_free_blocks:
+        if per_seq * num_seqs > allocator.num_free_blocks and not exact_context:
             self.context = 0  # a small pool: drop the context before giving up on the shape
             per_seq = allocator.blocks_needed(rows)
         self.fits = per_seq * num_seqs <= allocator.num_free_blocks

@@ -1,0 +1,81 @@
+"""`specdec replay`: every speculation policy on recorded traces, against simulated time.
+
+Runs the engine's scheduler, allocator, step loop and controllers on the traces `specdec trace`
+recorded (the committed set by default); writes replay.json and replay.md. See docs/evals.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("replay")
+    g.add_argument(
+        "--traces", default=None, help="trace set directory (default: evals/data/traces)"
+    )
+    g.add_argument("--output-dir", default="replay-results", help="where replay.json/.md go")
+    g.add_argument(
+        "--scenarios", default="all", help="scenario names, comma-separated (default: all)"
+    )
+    g.add_argument("--policies", default="all", help="policy names, comma-separated (default: all)")
+
+
+def _pick(text: str, items: list, what: str) -> list:
+    if text.strip() in ("", "all"):
+        return items
+    from engine.errors import ConfigError
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = {i.name: i for i in items}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"unknown {what} {', '.join(unknown)}; known: {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from evals.environment import command_line, git_commit
+    from evals.replay import default_policies
+    from evals.replay_suite import default_scenarios, run_suite, to_json, to_markdown
+    from evals.traces import load_traces
+
+    torch.set_num_threads(1)  # the replay's tensors are tiny: threads only add overhead
+    logging.getLogger("engine").setLevel(logging.WARNING)
+    logging.getLogger("specdec").setLevel(logging.WARNING)
+    traces = load_traces(args.traces)
+    scenarios = _pick(args.scenarios, default_scenarios(), "scenario")
+    policies = _pick(args.policies, default_policies(), "policy")
+    start = time.perf_counter()
+    report = run_suite(traces, scenarios, policies)
+    seconds = time.perf_counter() - start
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.json").write_text(to_json(report))
+    meta = traces.meta
+    header = (
+        f"# Replay\n\n`{command_line()}` (commit {git_commit()}) on the traces "
+        f"recorded by `{meta.get('command', '?')}` "
+        f"(commit {meta.get('commit', '?')}; {meta.get('machine', {}).get('cpu', '?')}, "
+        f"{meta.get('machine', {}).get('threads', '?')} threads)"
+    )
+    if "cost_table_command" in meta:
+        header += (
+            f", cost table by `{meta['cost_table_command']}` "
+            f"(commit {meta.get('cost_table_commit', '?')})"
+        )
+    header += (
+        ". Output tokens per simulated second; the best policy of each scenario in bold. "
+        "docs/evals.md explains the scenarios, policies and approximations.\n\n"
+    )
+    (out / "replay.md").write_text(to_markdown(report, header))
+    print(to_markdown(report))
+    print(f"replayed {len(scenarios)} scenarios x {len(policies)} policies in {seconds:.1f} s")
+    return 0

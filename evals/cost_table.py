@@ -1,0 +1,237 @@
+"""The machine's measured step-cost table, and the step times the replay reads from it.
+
+Measured (``measure_cost_table``) with the policy's own calibration timer
+(``specdec.controller.cost_table.time_forward``: fastest of a few bare forwards over temporary
+sequences from the engine's allocator):
+
+- ``target``: forwards by (sequences, rows) at a short context, every uniform verify shape up to
+  ``MAX_K + 1`` rows per sequence at 1-32 sequences (every row's logits kept, as a verify does),
+  plus single-sequence prefill chunks (the last row's logits only);
+- ``target_context``: a few of those shapes again after 256-4000 context tokens per sequence;
+- ``target_prefill_context``: a 512-row prefill chunk after 1024-3500 context tokens;
+- ``draft``, ``draft_context``, ``draft_prefill_context``: the same for the draft (1-2 rows per
+  sequence, plus catch-ups);
+- ``sampling``: the engine's sampling (warp and draw) over the real vocabulary, by rows, greedy
+  (temperature 0) and sampled (temperature 1).
+
+``StepCosts`` prices a forward from the table: piecewise-linear in rows for each measured
+sequence count, linear between sequence counts, plus an attention term linear in the keys each
+row attends to (``rows x context``, the slope fitted from the context points by least squares),
+with one slope for decode and verify entries (up to ``MAX_K + 1`` rows) and one for prefill
+entries (the prefill-context points; the decode slope where a table has none).
+"""
+
+from __future__ import annotations
+
+import bisect
+import subprocess
+from collections.abc import Sequence
+
+MAX_K = 6
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+PREFILL_ROWS = (16, 32, 64, 128, 256, 512)
+CONTEXTS = (256, 1024, 2048, 4000)
+PREFILL_CONTEXTS = (1024, 2048, 3500)  # keys before a 512-row prefill chunk
+CONTEXT_SHAPES = ((1, 1), (1, MAX_K + 1), (4, 1), (4, MAX_K + 1))  # (sequences, rows each)
+DRAFT_CATCH_UP_ROWS = (4, 16, 64, 256, 512)
+DRAFT_CONTEXT_SHAPES = ((1, 1), (4, 1), (4, 2))
+SAMPLING_ROWS = (1, 4, 16, 64, 224)
+SHORT_CONTEXT = 32  # what the calibration timer puts before every shape by default
+
+
+def cpu_flags_summary() -> str:
+    """The vector-unit flags that decide CPU matrix speed (AVX2, AVX-512, bf16, AMX)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("Flags:"):
+            flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted)
+
+
+def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
+    """Time every shape above on two plain engines (the target's and the draft's runner and
+    allocator). Shapes the pool cannot hold are skipped."""
+    import time
+
+    import torch
+
+    from engine.gpu_sampling import probs_for_rows, sample_from_probs
+    from engine.sampling import RowContext
+    from engine.sampling_params import SamplingParams
+    from specdec.controller.cost_table import time_forward
+
+    def sweep(engine, shapes, context, logits_all: bool) -> list[dict]:
+        out = []
+        for seqs, rows in shapes:
+            if context + rows > engine.target.arch.max_position_embeddings:
+                continue
+            # verify shapes keep every row's logits, prefill chunks and drafts only the last
+            logits = rows if logits_all and rows <= MAX_K + 1 else 1
+            t = time_forward(
+                engine.target_runner,
+                engine.allocator,
+                seqs,
+                rows,
+                logits,
+                context=context,
+                repeats=repeats,
+                exact_context=True,
+            )
+            if t is not None:
+                out.append({"seqs": seqs, "rows": seqs * rows, "context": context, "seconds": t})
+        return out
+
+    max_rows = target_engine.config.max_num_batched_tokens
+    grid = [(s, r) for s in BATCH_SIZES for r in range(1, MAX_K + 2) if s * r <= max_rows]
+    grid += [(1, r) for r in PREFILL_ROWS if r > MAX_K + 1 and r <= max_rows]
+    # warm-up: the first forwards pay one-off allocations
+    sweep(target_engine, [(1, 1)], SHORT_CONTEXT, True)
+    sweep(draft_engine, [(1, 1)], SHORT_CONTEXT, False)
+    table: dict = {"target": sweep(target_engine, grid, SHORT_CONTEXT, True)}
+    table["target_context"] = [
+        row for c in CONTEXTS for row in sweep(target_engine, CONTEXT_SHAPES, c, True)
+    ]
+    # Prefill chunks after a long context: attention there is compute-bound, priced apart.
+    table["target_prefill_context"] = [
+        row for c in PREFILL_CONTEXTS for row in sweep(target_engine, [(1, 512)], c, False)
+    ]
+    draft_grid = [(s, r) for s in BATCH_SIZES for r in (1, 2)]
+    draft_grid += [(1, r) for r in DRAFT_CATCH_UP_ROWS]
+    table["draft"] = sweep(draft_engine, draft_grid, SHORT_CONTEXT, False)
+    table["draft_context"] = [
+        row for c in CONTEXTS for row in sweep(draft_engine, DRAFT_CONTEXT_SHAPES, c, False)
+    ]
+    table["draft_prefill_context"] = [
+        row for c in PREFILL_CONTEXTS for row in sweep(draft_engine, [(1, 512)], c, False)
+    ]
+    # The engine's sampling over the real vocabulary: warp, then draw (greedy: the argmax).
+    vocab = target_engine.target_runner.vocab_size
+    sampling = []
+    for temperature in (0.0, 1.0):
+        for rows in SAMPLING_ROWS:
+            logits = torch.randn(rows, vocab)
+            ctx = [RowContext(SamplingParams(temperature=temperature), [1], [])] * rows
+            best = float("inf")
+            for _ in range(max(repeats, 3)):
+                t0 = time.perf_counter()
+                probs = probs_for_rows(logits, ctx)
+                sample_from_probs(probs, [temperature == 0] * rows, [None] * rows)
+                best = min(best, time.perf_counter() - t0)
+            sampling.append({"rows": rows, "temperature": temperature, "seconds": best})
+    table["sampling"] = sampling
+    return table
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (xs increasing), extended by the end segments' slopes."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0] if xs[0] else ys[0]
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class _RowsBySeqs:
+    """Time of a forward by (rows, sequences) from uniform-shape points at a short context."""
+
+    def __init__(self, points: list[dict]) -> None:
+        by_seqs: dict[int, dict[int, float]] = {}
+        for p in points:
+            by_seqs.setdefault(p["seqs"], {})[p["rows"]] = p["seconds"]
+        if not by_seqs:
+            raise ValueError("the cost table has no points")
+        self.seqs = sorted(by_seqs)
+        self.curves = [
+            (sorted(by_seqs[s]), [by_seqs[s][r] for r in sorted(by_seqs[s])]) for s in self.seqs
+        ]
+
+    def __call__(self, rows: int, seqs: int) -> float:
+        i = bisect.bisect_left(self.seqs, seqs)
+        if i < len(self.seqs) and self.seqs[i] == seqs:
+            return _interp(*self.curves[i], rows)
+        i = min(max(i, 1), len(self.seqs) - 1)
+        lo, hi = self.seqs[i - 1], self.seqs[i]
+        t_lo, t_hi = _interp(*self.curves[i - 1], rows), _interp(*self.curves[i], rows)
+        return max(0.0, t_lo + (t_hi - t_lo) * (seqs - lo) / (hi - lo))
+
+
+def _attention_slope(base: _RowsBySeqs, points: list[dict]) -> float:
+    """Seconds per (row x context token), least squares through the origin on the context points'
+    excess over the short-context price of the same shape."""
+    num = den = 0.0
+    for p in points:
+        x = p["rows"] * (p["context"] - SHORT_CONTEXT)
+        y = p["seconds"] - base(p["rows"], p["seqs"])
+        num += x * y
+        den += x * x
+    return max(0.0, num / den) if den else 0.0
+
+
+class StepCosts:
+    """Seconds of a target or draft forward, priced from a measured cost table."""
+
+    def __init__(self, table: dict) -> None:
+        self.target = _RowsBySeqs(table["target"])
+        self.draft = _RowsBySeqs(table["draft"])
+        self.target_attention = _attention_slope(self.target, table.get("target_context", []))
+        self.draft_attention = _attention_slope(self.draft, table.get("draft_context", []))
+        prefill = table.get("target_prefill_context")
+        self.target_prefill_attention = (
+            _attention_slope(self.target, prefill) if prefill else self.target_attention
+        )
+        prefill = table.get("draft_prefill_context")
+        self.draft_prefill_attention = (
+            _attention_slope(self.draft, prefill) if prefill else self.draft_attention
+        )
+        self._sampling: dict[float, tuple[list[int], list[float]]] = {}
+        for temperature in (0.0, 1.0):
+            points = sorted(
+                (p["rows"], p["seconds"])
+                for p in table.get("sampling", [])
+                if p.get("temperature", 1.0) == temperature
+            )
+            if points:
+                self._sampling[temperature] = ([r for r, _ in points], [t for _, t in points])
+
+    @staticmethod
+    def attended(entries: Sequence[tuple[int, int]], prefill: bool) -> float:
+        """Keys attended beyond the short context, summed over the rows of the decode/verify
+        entries (or of the prefill entries, more than ``MAX_K + 1`` rows): (rows, start position)
+        each; a row at position i attends i + 1 keys."""
+        return sum(
+            n * max(0.0, start + (n + 1) / 2 - SHORT_CONTEXT)
+            for n, start in entries
+            if (n > MAX_K + 1) == prefill
+        )
+
+    def target_seconds(
+        self, entries: Sequence[tuple[int, int]], greedy_rows: int = 0, sampled_rows: int = 0
+    ) -> float:
+        """A target forward over ``entries`` ((rows, start position) each) and the sampling of
+        its ``greedy_rows`` (temperature 0) and ``sampled_rows`` (temperature 1) logits rows."""
+        rows = sum(n for n, _ in entries)
+        t = self.target(rows, len(entries))
+        t += self.target_attention * self.attended(entries, prefill=False)
+        t += self.target_prefill_attention * self.attended(entries, prefill=True)
+        return t + self.sampling_seconds(greedy_rows, 0.0) + self.sampling_seconds(sampled_rows)
+
+    def draft_seconds(self, entries: Sequence[tuple[int, int]]) -> float:
+        rows = sum(n for n, _ in entries)
+        t = self.draft(rows, len(entries))
+        t += self.draft_attention * self.attended(entries, prefill=False)
+        return t + self.draft_prefill_attention * self.attended(entries, prefill=True)
+
+    def sampling_seconds(self, rows: int, temperature: float = 1.0) -> float:
+        # A table with one curve prices both kinds of rows by it.
+        curve = self._sampling.get(0.0 if temperature == 0 else 1.0) or next(
+            iter(self._sampling.values()), None
+        )
+        if rows <= 0 or curve is None:
+            return 0.0
+        return _interp(*curve, rows)

@@ -1,0 +1,523 @@
+"""Replay recorded traces through the real engine against simulated time.
+
+The engine under replay is the real ``LLMEngine`` (scheduler, block allocator, step loop,
+sampling and verification, ``DraftModelProposer`` and the speculation policy), with two
+substitutions:
+
+- the model forwards: ``TraceTargetRunner`` and ``TraceDraftRunner`` stand in for the engine's two
+  ``ModelRunner``s. Token ids live in a small local vocabulary (``LOCAL_VOCAB``); the target's
+  logits are one-hot at the recorded path token, and every request runs greedy, so the target
+  commits exactly the recorded path. The draft proposes the path token where the trace says its
+  proposal is accepted (``ReplayRequest.accept``) and a different token otherwise, with logits
+  shaped so that its probability of the proposed token is the recorded top-1 probability (what a
+  draft stop rule reads as confidence);
+- the clock: the engine reads ``SimClock`` for every time it measures, and each fake forward
+  advances it by the cost table's price of that forward (``evals.cost_table.StepCosts``), scaled
+  by the scenario's slow-downs and lengthened by its stalls.
+
+Acceptance per output position (``replay_request``): at temperature 0 a draft is accepted where the
+draft's top-1 equals the target's token, so a chain of k accepts min(k, leading matches), exactly as
+the live engine would. At temperature 1 the rejection rule accepts a draft sampled from q with
+probability sum_x min(p(x), q(x)); the replay draws acceptance once per position, with a fixed
+seed, as Bernoulli(sum over the draft's recorded top-8 x of min(p(x), q(x))) (a lower bound of the
+full sum), and the path continues along the recorded path whatever was drawn (live, a rejection
+resamples a token from the residual and the text diverges).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import LoadedModel
+from engine.model_runner import RunEntry
+from engine.models.arch import ModelArch
+from engine.sampling_params import SamplingParams
+from evals.cost_table import StepCosts
+from evals.traces import RequestTrace
+from specdec.controller.policy import (
+    FixedPolicy,
+    PrefillShape,
+    SpecDecision,
+    SpeculationPolicy,
+    StepObservation,
+)
+
+LOCAL_VOCAB = 64  # small: the engine's sampling rows stay cheap
+EOS_ID = 1  # never emitted: requests finish at their recorded length
+FIRST_ID = 2  # local ids of recorded tokens start here
+MAX_K = 6  # the engine's default num_speculative_tokens, the largest fixed policy
+CAUGHT_UP_ROWS = 2  # a draft that kept pace reads one or two tokens at a step's first forward
+REPLAY_MAX_MODEL_LEN = 4096
+
+
+def local_id(token: int, offset: int = 0) -> int:
+    """A recorded token id folded into the local vocabulary (``offset`` shifts whole prompts, so
+    replicas of one request share no prefix-cache blocks)."""
+    return FIRST_ID + (int(token) + offset) % (LOCAL_VOCAB - FIRST_ID)
+
+
+def other_id(local: int) -> int:
+    """A local id different from ``local``: what the draft proposes where it is rejected."""
+    return FIRST_ID + (local - FIRST_ID + 1) % (LOCAL_VOCAB - FIRST_ID)
+
+
+@dataclass
+class ReplayRequest:
+    request_id: str
+    prompt: list[int]  # local ids
+    path: list[int]  # local ids of the recorded output
+    accept: np.ndarray  # [len(path)] bool: the draft's proposal at this position is accepted
+    confidence: np.ndarray  # [len(path)] the draft's probability of its top token there
+    temperature: float
+    arrival: float = 0.0  # seconds after the start (open-loop arrivals only)
+
+    def token_at(self, pos: int) -> int | None:
+        """Local id at absolute position ``pos`` of prompt + path (None past the end)."""
+        if pos < len(self.prompt):
+            return self.prompt[pos]
+        j = pos - len(self.prompt)
+        return self.path[j] if j < len(self.path) else None
+
+    def leading_accepts(self, start: int, limit: int) -> int:
+        """How many consecutive drafts from output position ``start`` on would be accepted."""
+        n = 0
+        while n < limit and start + n < len(self.path) and self.accept[start + n]:
+            n += 1
+        return n
+
+
+def replay_request(
+    trace: RequestTrace,
+    request_id: str,
+    seed: int,
+    offset: int = 0,
+    filler_tokens: int = 0,
+) -> ReplayRequest:
+    """The replay's view of one recorded request (module docstring: how acceptance is drawn).
+
+    ``offset`` folds the ids differently (replicas of a request share no prefix-cache blocks);
+    ``filler_tokens`` prefixes the prompt with that many random tokens drawn from a generator
+    seeded by ``request_id``: context unique to this request (no prefix-cache sharing).
+    """
+    if trace.temperature == 0:
+        accept = trace.greedy_match()
+    else:
+        rng = np.random.default_rng([seed, offset, int.from_bytes(trace.id.encode()[:8], "big")])
+        accept = rng.random(trace.num_output) < trace.overlap()
+    filler_rng = np.random.default_rng(list(request_id.encode()))
+    filler = [local_id(t) for t in filler_rng.integers(0, LOCAL_VOCAB, filler_tokens)]
+    return ReplayRequest(
+        request_id=request_id,
+        prompt=filler + [local_id(t, offset) for t in trace.prompt_ids],
+        path=[local_id(t) for t in trace.tokens],
+        accept=np.asarray(accept, bool),
+        confidence=trace.draft_probs[:, 0].astype(np.float64),
+        temperature=trace.temperature,
+    )
+
+
+class SimClock:
+    """Simulated seconds. ``charge`` advances it by a forward's price times the slow-down factor of
+    the window it starts in, plus ``stall_seconds`` for every stall time the forward runs across."""
+
+    def __init__(
+        self,
+        slowdowns: Sequence[tuple[float, float, float]] = (),
+        stalls: Sequence[float] = (),
+        stall_seconds: float = 0.0,
+    ) -> None:
+        self.now = 0.0
+        self.slowdowns = list(slowdowns)  # (start, end, factor)
+        self.stalls = sorted(stalls)
+        self.stall_seconds = stall_seconds
+        self._next_stall = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def reset(self) -> None:
+        self.now = 0.0
+        self._next_stall = 0
+
+    def charge(self, seconds: float) -> None:
+        factor = 1.0
+        for start, end, f in self.slowdowns:
+            if start <= self.now < end:
+                factor *= f
+        dt = seconds * factor
+        while self._next_stall < len(self.stalls) and self.stalls[self._next_stall] < self.now + dt:
+            dt += self.stall_seconds
+            self._next_stall += 1
+        self.now += dt
+
+    def advance_to(self, t: float) -> None:
+        """Idle until ``t`` (stalls that fall in idle time cost nothing)."""
+        self.now = max(self.now, t)
+        while self._next_stall < len(self.stalls) and self.stalls[self._next_stall] < self.now:
+            self._next_stall += 1
+
+
+class _TraceRunner:
+    """What the engine reads of a ``ModelRunner``, over the local vocabulary."""
+
+    vocab_size = LOCAL_VOCAB
+    device = torch.device("cpu")
+    backend = None  # not FlashInfer: the engine uses the torch sampling reference
+    graphed = None
+
+    def __init__(self, book: dict[str, ReplayRequest], costs: StepCosts, clock: SimClock) -> None:
+        self.book = book  # request id -> its replay view; other sequences (calibration's) are
+        # priced as bare forwards and get flat logits
+        self.costs = costs
+        self.clock = clock
+        self.num_forwards = 0
+
+
+class TraceTargetRunner(_TraceRunner):
+    def run(self, entries: Sequence[RunEntry]) -> torch.Tensor:
+        logits = torch.zeros(sum(e.num_logits for e in entries), LOCAL_VOCAB)
+        row = 0
+        rows_by_temperature = [0, 0]  # greedy, sampled: what the live engine would sample
+        for e in entries:
+            req = self.book.get(e.seq.request_id)
+            if req is not None:
+                rows_by_temperature[req.temperature > 0] += e.num_logits
+            first = e.start_pos + len(e.token_ids) - e.num_logits
+            for j in range(e.num_logits):
+                # the row at position i predicts the token at i + 1
+                tok = req.token_at(first + j + 1) if req is not None else None
+                logits[row, tok if tok is not None else FIRST_ID] = 1.0
+                row += 1
+        self.num_forwards += 1
+        shape = [(len(e.token_ids), e.start_pos) for e in entries]
+        self.clock.charge(self.costs.target_seconds(shape, *rows_by_temperature))
+        return logits
+
+
+class TraceDraftRunner(_TraceRunner):
+    def run(self, entries: Sequence[RunEntry]) -> torch.Tensor:
+        logits = torch.empty(sum(e.num_logits for e in entries), LOCAL_VOCAB)
+        row = 0
+        rows_by_temperature = [0, 0]
+        for e in entries:
+            req = self.book.get(e.seq.request_id)
+            if req is not None:
+                rows_by_temperature[req.temperature > 0] += e.num_logits
+            first = e.start_pos + len(e.token_ids) - e.num_logits
+            for j in range(e.num_logits):
+                pos = first + j + 1  # the position this row predicts
+                tok, conf = FIRST_ID, 0.5
+                if req is not None:
+                    truth = req.token_at(pos)
+                    k = pos - len(req.prompt)
+                    fed = e.token_ids[len(e.token_ids) - e.num_logits + j]
+                    # The draft has seen the true prefix when its last input token is on the
+                    # path: a rejected proposal is never on it, so everything after one is off.
+                    on_path = fed == req.token_at(pos - 1)
+                    if truth is not None and k >= 0:
+                        accepted = on_path and bool(req.accept[k])
+                        tok = truth if accepted else other_id(truth)
+                        conf = float(req.confidence[k])
+                conf = min(max(conf, 1e-3), 0.999)
+                logits[row].fill_(math.log((1.0 - conf) / (LOCAL_VOCAB - 1)))
+                logits[row, tok] = math.log(conf)
+                row += 1
+        self.num_forwards += 1
+        entries_shape = [(len(e.token_ids), e.start_pos) for e in entries]
+        greedy, sampled = rows_by_temperature
+        self.clock.charge(
+            self.costs.draft_seconds(entries_shape)
+            + self.costs.sampling_seconds(greedy, 0.0)
+            + self.costs.sampling_seconds(sampled, 1.0)
+        )
+        return logits
+
+
+def replay_arch() -> ModelArch:
+    """The architecture the replay engine believes in: only the vocabulary and lengths matter."""
+    return ModelArch(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=LOCAL_VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=1 << 16,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=None,
+        eos_token_ids=(EOS_ID,),
+    )
+
+
+class ReplayEngine(LLMEngine):
+    cache_calibration = False  # simulated forwards: the step-cost table is measured every time
+
+    """``LLMEngine`` whose two model runners read the traces; everything else is the engine's."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        book: dict[str, ReplayRequest],
+        costs: StepCosts,
+        clock: SimClock,
+    ) -> None:
+        self.book = book
+        self.costs = costs
+        self._replay_runners = {
+            "target": TraceTargetRunner(book, costs, clock),
+            "draft": TraceDraftRunner(book, costs, clock),
+        }
+        arch = replay_arch()
+        target = LoadedModel(Path("replay-target"), arch, None, None, 0.0)  # type: ignore[arg-type]
+        draft = LoadedModel(Path("replay-draft"), arch, None, None, 0.0)  # type: ignore[arg-type]
+        super().__init__(config, target=target, draft=draft, progress=False, clock=clock)
+
+    def _make_runner(self, loaded: LoadedModel, graph_q_lens: list[int]):  # type: ignore[override]
+        return self._replay_runners["target" if loaded is self.target else "draft"]
+
+
+# A policy builds the engine's speculation policy; None keeps the one the engine built from its
+# config (``build_policy``, seeded at start-up by a step-cost table timed on the simulated clock).
+PolicyFactory = Callable[[ReplayEngine], SpeculationPolicy]
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    make: PolicyFactory | None = None
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine the replay simulates (the recorded pair's default pool and batch limits)."""
+
+    num_kv_blocks: int
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = REPLAY_MAX_MODEL_LEN
+
+    def config(self, warmup: bool) -> EngineConfig:
+        return EngineConfig(
+            model="replay-target",
+            draft_model="replay-draft",
+            speculative_method="draft_model",
+            num_speculative_tokens=MAX_K,
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=self.num_kv_blocks,
+            page_size=self.page_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            controller_warmup=warmup,
+        )
+
+
+@dataclass
+class Workload:
+    """Requests in submission order, and how they arrive: ``concurrency`` clients each sending its
+    next request when the last one finished (closed loop), or open loop at each request's
+    ``arrival`` when ``concurrency`` is None."""
+
+    requests: list[ReplayRequest]
+    concurrency: int | None
+    slowdowns: list[tuple[float, float, float]] = field(default_factory=list)
+    stalls: list[float] = field(default_factory=list)
+    stall_seconds: float = 0.0
+
+
+@dataclass
+class PolicyResult:
+    tokens: int
+    seconds: float
+    ttft: list[float]
+    steps: int
+    drafted: int  # drafts verified
+    accepted: int  # of those, accepted
+    decode_steps: int  # (sequence, decode step) pairs
+
+    @property
+    def mean_k(self) -> float:
+        return self.drafted / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class ReplayError(RuntimeError):
+    """The replay broke an invariant (an engine bug, or a fake runner out of step with it)."""
+
+
+def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: EngineShape):
+    """Run ``workload`` under ``policy``; returns (PolicyResult, the engine)."""
+    clock = SimClock(workload.slowdowns, workload.stalls, workload.stall_seconds)
+    book = {r.request_id: r for r in workload.requests}
+    engine = ReplayEngine(shape.config(warmup=policy.make is None), book, costs, clock)
+    if policy.make is not None:
+        engine.policy = policy.make(engine)
+    clock.reset()  # start-up calibration ran on the clock: requests start at zero
+    free_at_start = engine.allocator.num_free_blocks
+    pending = deque(workload.requests)
+    arrivals: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    tokens = 0
+
+    def submit(req: ReplayRequest, now: float) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=len(req.path), ignore_eos=True)
+        engine.add_request(req.request_id, req.prompt, params, arrival_time=now)
+        arrivals[req.request_id] = now
+
+    if workload.concurrency is not None:
+        for _ in range(min(workload.concurrency, len(pending))):
+            submit(pending.popleft(), 0.0)
+    idle = 0
+    while pending or engine.has_unfinished():
+        if workload.concurrency is None:
+            while pending and pending[0].arrival <= clock.now:
+                req = pending.popleft()
+                submit(req, req.arrival)
+            if not engine.has_unfinished():
+                clock.advance_to(pending[0].arrival)
+                continue
+        steps_before = engine.num_steps
+        outputs = engine.step()
+        idle = idle + 1 if engine.num_steps == steps_before else 0
+        if idle > 2:
+            raise ReplayError("the engine scheduled nothing with requests unfinished")
+        now = clock.now
+        for out in outputs:
+            if out.output_token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = now
+            if out.finished:
+                req = book[out.request_id]
+                if out.output_token_ids != req.path:
+                    raise ReplayError(f"{out.request_id}: the engine left the recorded path")
+                tokens += len(out.output_token_ids)
+                if workload.concurrency is not None and pending:
+                    submit(pending.popleft(), now)
+    if engine.allocator.num_free_blocks != free_at_start:
+        raise ReplayError(
+            f"KV blocks leaked: {free_at_start - engine.allocator.num_free_blocks} not returned"
+        )
+    start = min(arrivals.values(), default=0.0)
+    stats = engine.spec_stats
+    result = PolicyResult(
+        tokens=tokens,
+        seconds=clock.now - start,
+        ttft=[first_token[r] - arrivals[r] for r in sorted(arrivals)],
+        steps=engine.num_steps,
+        drafted=stats.num_draft_tokens,
+        accepted=stats.num_accepted_tokens,
+        decode_steps=stats.num_target_steps,
+    )
+    return result, engine
+
+
+# ---- policies -------------------------------------------------------------------------------
+class OraclePolicy:
+    """The best per-step choice in hindsight.
+
+    For each decode-ready sequence it reads from the trace L_i, how many drafts from its next
+    position on would be accepted (capped at ``k_max`` and at the tokens it has left). Over the
+    choices k_i = min(L_i, K) for K = 0..k_max it picks the one that maximises the step's committed
+    decode tokens, sum_i (k_i + 1), divided by the step's seconds priced from the cost table (the
+    target forward with its verify rows and the prefill rows the engine says the step can carry,
+    sampling, and the draft forwards those k's need with every draft priced as caught up), without
+    the scenario's slow-downs or stalls. Drafting past L_i only adds cost, so no other k_i <= k_max
+    beats these at a given K. Catch-up the draft owes (a prompt, steps it sat out) is left out of
+    the choice, since every drafting policy pays it once; the clock still charges it.
+    """
+
+    def __init__(self, book: dict[str, ReplayRequest], costs: StepCosts, k_max: int) -> None:
+        self.book = book
+        self.costs = costs
+        self.k_max = k_max
+        self._prefill = (0, 0)
+        self._last_ks: list[int] = []
+
+    def _leading(self, seq) -> int:
+        req = self.book.get(seq.request_id)
+        if req is None or seq.spec_mode == "off":
+            return 0
+        left = (seq.params.max_tokens or 0) - seq.num_output_tokens - 1
+        return req.leading_accepts(seq.num_output_tokens, max(0, min(self.k_max, left)))
+
+    def step_seconds(self, seqs, ks: list[int]) -> float:
+        rows, n = self._prefill
+        entries = [(1 + k, s.num_tokens - 1) for s, k in zip(seqs, ks, strict=True)]
+        entries += [(rows // n, 0)] * n if n else []
+        greedy = [s.params.greedy or self._temperature(s) == 0 for s in seqs]
+        by_temperature = [0, n]  # prefills priced as sampled rows: their temperature is unknown
+        for g, k in zip(greedy, ks, strict=True):
+            by_temperature[not g] += 1 + k
+        t = self.costs.target_seconds(entries, *by_temperature)
+        for j in range(max(ks, default=0)):
+            drafting = [s for s, k in zip(seqs, ks, strict=True) if k > j]
+            if j == 0:
+                # A draft that sat out earlier steps (or never read the prompt) catches up
+                # here; every policy that drafts pays that once, so the choice is priced as if
+                # it were caught up (its last committed token or two).
+                d = [
+                    (min(CAUGHT_UP_ROWS, s.num_tokens - s.num_draft_computed_tokens), s.num_tokens)
+                    for s in drafting
+                ]
+            else:
+                d = [(1, s.num_tokens + j - 1) for s in drafting]
+            drafting_greedy = sum(
+                1 for s, k, g in zip(seqs, ks, greedy, strict=True) if k > j and g
+            )
+            t += self.costs.draft_seconds(d)
+            t += self.costs.sampling_seconds(drafting_greedy, 0.0)
+            t += self.costs.sampling_seconds(len(d) - drafting_greedy, 1.0)
+        return t
+
+    def _temperature(self, seq) -> float:
+        req = self.book.get(seq.request_id)
+        return req.temperature if req is not None else 1.0
+
+    def decide(self, seqs, prefill: PrefillShape) -> SpecDecision:
+        self._prefill = (prefill.rows, prefill.seqs)
+        leading = [self._leading(s) for s in seqs]
+        best, best_rate = [0] * len(seqs), -1.0
+        for cap in range(self.k_max + 1):
+            ks = [min(L, cap) for L in leading]
+            if cap and ks == best:
+                continue
+            rate = sum(k + 1 for k in ks) / self.step_seconds(seqs, ks)
+            if rate > best_rate:
+                best, best_rate = ks, rate
+        self._last_ks = best
+        return SpecDecision(best)
+
+    def observe(self, obs: StepObservation) -> None:
+        pass
+
+    def stats(self) -> dict:
+        n = len(self._last_ks)
+        return {"mean_k": sum(self._last_ks) / n if n else 0.0}
+
+
+def default_policies() -> list[Policy]:
+    """plain, fixed_k1..fixed_k6, adaptive (the engine's own policy), oracle."""
+    policies = [Policy("plain", lambda e: FixedPolicy(0))]
+    policies += [Policy(f"fixed_k{k}", lambda e, k=k: FixedPolicy(k)) for k in range(1, MAX_K + 1)]
+    policies.append(Policy("adaptive"))
+    policies.append(Policy("oracle", lambda e: OraclePolicy(e.book, e.costs, MAX_K)))
+    return policies

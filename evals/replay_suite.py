@@ -1,0 +1,239 @@
+"""The replay suite: scenarios built from a trace set, every policy on each, replay.json/.md.
+
+Workloads: ``code`` is the code categories at temperature 0, ``open`` every other category at
+temperature 1. A scenario with more requests than its pool holds reuses recorded requests as
+replicas whose prompts fold into other local ids (no prefix-cache sharing between replicas; a
+replica's acceptance draws at temperature 1 are its own).
+
+Scenario times (slow-down windows, stalls, Poisson rates) are derived from the cost table and the
+requests, never from a run, so every policy meets the same machine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from evals.cost_table import StepCosts
+from evals.replay import (
+    EngineShape,
+    Policy,
+    PolicyResult,
+    ReplayRequest,
+    Workload,
+    default_policies,
+    replay_request,
+    run_policy,
+)
+from evals.traces import RequestTrace, TraceSet
+
+CODE_CATEGORIES = ("code_generation", "code_editing")
+CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
+LONG_PROMPT_TOKENS = 3840  # prompt + output stay within the replay engine's 4096 positions
+SEED = 0
+
+
+def requests_for(c: int) -> int:
+    """Requests per closed-loop scenario at concurrency ``c``: enough for the batch to fill and
+    drain (2c), at least 8; kept small so the whole suite replays in well under a minute."""
+    return max(8, 2 * c)
+
+
+def code_pool(traces: Sequence[RequestTrace]) -> list[RequestTrace]:
+    return [t for t in traces if t.category in CODE_CATEGORIES and t.temperature == 0]
+
+
+def open_pool(traces: Sequence[RequestTrace]) -> list[RequestTrace]:
+    return [t for t in traces if t.category not in CODE_CATEGORIES and t.temperature > 0]
+
+
+def build_requests(
+    name: str, pool: Sequence[RequestTrace], n: int, filler_to: int = 0, start: int = 0
+) -> list[ReplayRequest]:
+    """``n`` requests cycling through ``pool``; ``filler_to`` pads prompts to that many tokens."""
+    if not pool:
+        raise ValueError(f"scenario {name}: the trace set has no requests for its workload")
+    out = []
+    for i in range(start, start + n):
+        trace = pool[i % len(pool)]
+        filler = max(0, filler_to - int(trace.prompt_ids.shape[0])) if filler_to else 0
+        out.append(replay_request(trace, f"{name}-{i}", SEED, i // len(pool), filler))
+    return out
+
+
+def plain_seconds_estimate(requests: Sequence[ReplayRequest], c: int, costs: StepCosts) -> float:
+    """Rough plain-decoding duration of a closed loop at concurrency ``c`` (for placing slow-down
+    windows and stalls inside the run): steps of ``c`` one-row decodes, plus the prompts."""
+    tokens = sum(len(r.path) for r in requests)
+    step = costs.target_seconds([(1, len(r.prompt)) for r in requests[:c]], sampled_rows=c)
+    prefill = sum(costs.target_seconds([(len(r.prompt), 0)], sampled_rows=1) for r in requests)
+    return tokens / min(c, len(requests)) * step + prefill
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    build: Callable[[TraceSet, StepCosts], Workload]
+
+
+def _closed(pool_of, c: int, name: str) -> Callable[[TraceSet, StepCosts], Workload]:
+    def build(traces: TraceSet, costs: StepCosts) -> Workload:
+        return Workload(build_requests(name, pool_of(traces.requests), requests_for(c)), c)
+
+    return build
+
+
+def _slowdown(traces: TraceSet, costs: StepCosts) -> Workload:
+    c = 8
+    reqs = build_requests("slowdown", code_pool(traces.requests), requests_for(c))
+    est = plain_seconds_estimate(reqs, c, costs)
+    return Workload(reqs, c, slowdowns=[(0.25 * est, 0.6 * est, 1.3)])
+
+
+def _stalls(traces: TraceSet, costs: StepCosts) -> Workload:
+    c = 4
+    reqs = build_requests("stalls", open_pool(traces.requests), requests_for(c))
+    est = plain_seconds_estimate(reqs, c, costs)
+    stall = 10 * costs.target_seconds(
+        [(1, 256)], sampled_rows=1
+    )  # ten single-sequence decode steps
+    return Workload(
+        reqs, c, stalls=[est * f for f in (0.15, 0.35, 0.55, 0.75)], stall_seconds=stall
+    )
+
+
+def _switch(traces: TraceSet, costs: StepCosts) -> Workload:
+    c, n = 8, requests_for(8)
+    first = build_requests("switch", code_pool(traces.requests), n // 2)
+    second = build_requests("switch", open_pool(traces.requests), n - n // 2, start=n // 2)
+    return Workload(first + second, c)
+
+
+def _long_prompts(traces: TraceSet, costs: StepCosts) -> Workload:
+    c = 4
+    reqs = build_requests(
+        "long", code_pool(traces.requests), requests_for(c), filler_to=LONG_PROMPT_TOKENS
+    )
+    return Workload(reqs, c)
+
+
+def _mixed(traces: TraceSet, costs: StepCosts) -> Workload:
+    """Poisson arrivals (fixed seed) of code and open requests, interleaved at random, at 60% of
+    what plain decoding at eight sequences could serve."""
+    n = 32
+    code = build_requests("mixed-code", code_pool(traces.requests), n)
+    chat = build_requests("mixed-open", open_pool(traces.requests), n)
+    rng = np.random.default_rng(SEED)
+    picks = rng.random(n) < 0.5
+    reqs = [code[i] if picks[i] else chat[i] for i in range(n)]
+    mean_tokens = sum(len(r.path) for r in reqs) / n
+    plain_rate = 8 / costs.target_seconds(
+        [(1, 256)] * 8, sampled_rows=8
+    )  # tokens/s at eight sequences
+    rate = 0.6 * plain_rate / mean_tokens  # requests per second
+    t = 0.0
+    for r, gap in zip(reqs, rng.exponential(1.0 / rate, n), strict=True):
+        t += float(gap)
+        r.arrival = t
+    return Workload(reqs, None)
+
+
+def default_scenarios() -> list[Scenario]:
+    out = []
+    for c in CONCURRENCIES:
+        out.append(
+            Scenario(f"code_c{c}", f"code at T=0, {c} clients", _closed(code_pool, c, f"code{c}"))
+        )
+    for c in CONCURRENCIES:
+        out.append(
+            Scenario(f"open_c{c}", f"open at T=1, {c} clients", _closed(open_pool, c, f"open{c}"))
+        )
+    out += [
+        Scenario("slowdown", "code at T=0, 8 clients; the machine 30% slower mid-run", _slowdown),
+        Scenario("stalls", "open at T=1, 4 clients; four single stalled steps", _stalls),
+        Scenario("switch", "8 clients; code at T=0, then open at T=1", _switch),
+        Scenario(
+            "long_prompts", "code at T=0, 4 clients; prompts padded to 3840 tokens", _long_prompts
+        ),
+        Scenario(
+            "mixed", "Poisson arrivals of code and open requests at 60% of plain capacity", _mixed
+        ),
+    ]
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def run_suite(
+    traces: TraceSet,
+    scenarios: Sequence[Scenario] | None = None,
+    policies: Sequence[Policy] | None = None,
+    on_result: Callable[[str, str, PolicyResult], None] | None = None,
+) -> dict:
+    """Every policy on every scenario; the replay.json body."""
+    costs = StepCosts(traces.cost_table)
+    eng = traces.meta.get("engine", {})
+    shape = EngineShape(
+        num_kv_blocks=eng["num_kv_blocks"],
+        page_size=eng.get("page_size", 16),
+        max_num_seqs=eng.get("max_num_seqs", 32),
+        max_num_batched_tokens=eng.get("max_num_batched_tokens", 512),
+    )
+    out = []
+    for sc in scenarios if scenarios is not None else default_scenarios():
+        row: dict = {"name": sc.name, "description": sc.description}
+        metrics: dict[str, dict[str, float]] = {
+            m: {} for m in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "mean_k", "acceptance")
+        }
+        for policy in policies if policies is not None else default_policies():
+            result, _ = run_policy(sc.build(traces, costs), policy, costs, shape)
+            metrics["tokens_per_s"][policy.name] = round(result.tokens_per_s, 3)
+            metrics["ttft_p50_s"][policy.name] = round(_percentile(result.ttft, 50), 4)
+            metrics["ttft_p99_s"][policy.name] = round(_percentile(result.ttft, 99), 4)
+            metrics["mean_k"][policy.name] = round(result.mean_k, 3)
+            acc = result.accepted / result.drafted if result.drafted else 0.0
+            metrics["acceptance"][policy.name] = round(acc, 4)
+            row["requests"] = len(result.ttft)
+            row["output_tokens"] = result.tokens
+            if on_result:
+                on_result(sc.name, policy.name, result)
+        row.update(metrics)
+        out.append(row)
+    return {"scenarios": out}
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=1, sort_keys=False) + "\n"
+
+
+def to_markdown(report: dict, header: str = "") -> str:
+    """One row per scenario: tokens/s of every policy, then adaptive / best fixed and / plain."""
+    rows = report["scenarios"]
+    if not rows:
+        return header + "(no scenarios)\n"
+    names = list(rows[0]["tokens_per_s"])
+    fixed = [n for n in names if n.startswith("fixed_k")]
+    cols = ["scenario", *names]
+    ratios = "adaptive" in names
+    if ratios:
+        cols += ["adaptive / best fixed", "adaptive / plain"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        tps = r["tokens_per_s"]
+        best = max(tps.values())
+        cells = [r["name"]]
+        for n in names:
+            v = f"{tps[n]:.2f}"
+            cells.append(f"**{v}**" if tps[n] == best else v)
+        if ratios:
+            best_fixed = max((tps[n] for n in fixed), default=0.0)
+            cells.append(f"{tps['adaptive'] / best_fixed:.3f}" if best_fixed else "-")
+            cells.append(f"{tps['adaptive'] / tps['plain']:.3f}" if tps.get("plain") else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return header + "\n".join(lines) + "\n"

@@ -1,0 +1,283 @@
+"""The replay: real engine and controllers on recorded traces against simulated time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers_replay import linear_cost_table, synthetic_trace, synthetic_trace_set
+
+from evals.cost_table import StepCosts
+from evals.replay import (
+    MAX_K,
+    EngineShape,
+    OraclePolicy,
+    Policy,
+    ReplayError,
+    SimClock,
+    Workload,
+    default_policies,
+    replay_request,
+    run_policy,
+)
+from evals.replay_suite import Scenario, default_scenarios, run_suite, to_json, to_markdown
+from evals.traces import load_traces, save_traces
+from specdec.controller.policy import FixedPolicy
+
+COSTS = StepCosts(linear_cost_table())
+SHAPE = EngineShape(num_kv_blocks=512)
+
+
+class RecordingPolicy(FixedPolicy):
+    """Fixed k that keeps every step's outcomes as the engine reports them."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.calls = 0
+        self.outcomes: list[tuple[int, int]] = []
+
+    def decide(self, seqs, prefill):
+        self.calls += 1
+        return super().decide(seqs, prefill)
+
+    def observe(self, obs) -> None:
+        self.outcomes += [(o.num_drafted, o.num_accepted) for o in obs.outcomes]
+
+
+def _one_request(matches: list[bool], temperature: float = 0.0):
+    trace = synthetic_trace("r0", "code_generation", temperature, matches)
+    return replay_request(trace, "q0", seed=0)
+
+
+MATCHES = [True, True, False, True, True, True, True, True, False, False, True, True, True] * 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_greedy_replay_accepts_min_k_and_leading_matches(k):
+    req = _one_request(MATCHES)
+    ctl = RecordingPolicy(k)
+    result, _ = run_policy(Workload([req], 1), Policy("rec", lambda e: ctl), COSTS, SHAPE)
+    # By hand: the prefill commits output 0; each decode step at output position m drafts
+    # k' = min(k, tokens left - 1) and accepts its leading matches from m, then commits one more.
+    expected, m, n = [], 1, len(MATCHES)
+    while m < n:
+        kk = min(k, n - m - 1)
+        acc = 0
+        while acc < kk and MATCHES[m + acc]:
+            acc += 1
+        expected.append((kk, acc))
+        m += acc + 1
+    decode = ctl.outcomes[1:]  # the first outcome is the prefill's token
+    assert ctl.outcomes[0] == (0, 0)
+    assert decode == expected
+    assert result.tokens == n
+    assert result.accepted == sum(a for _, a in expected)
+
+
+def test_replay_calls_the_plugged_in_policy_and_drafts_its_ks():
+    reqs = [_one_request(MATCHES)]
+    ctl = RecordingPolicy(2)
+    result, engine = run_policy(Workload(reqs, 1), Policy("rec", lambda e: ctl), COSTS, SHAPE)
+    assert engine.policy is ctl
+    assert ctl.calls > 0
+    assert result.drafted == sum(d for d, _ in ctl.outcomes)
+    # the real proposer ran the draft forwards
+    assert engine.proposer.runner.num_forwards > 0
+
+
+def test_adaptive_is_the_engines_own_policy_calibrated_on_simulated_time():
+    from specdec.controller import AdaptivePolicy
+
+    reqs = [_one_request(MATCHES)]
+    result, engine = run_policy(Workload(reqs, 1), Policy("adaptive"), COSTS, SHAPE)
+    assert isinstance(engine.policy, AdaptivePolicy)
+    assert result.tokens == len(MATCHES)
+    # start-up calibration ran its forwards through the trace runners, then the clock restarted
+    assert engine.target_runner.num_forwards > result.steps
+
+
+def test_no_kv_leak_even_when_the_pool_forces_preemption(monkeypatch):
+    from engine.scheduler import Scheduler
+
+    preempted = []
+    real_preempt = Scheduler._preempt
+
+    def counting_preempt(self, seq, plan):
+        preempted.append(seq.request_id)
+        real_preempt(self, seq, plan)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
+    ts = synthetic_trace_set(n_out=40)
+    reqs = [replay_request(t, f"q{i}", 0, filler_tokens=200) for i, t in enumerate(ts.requests)]
+    shape = EngineShape(num_kv_blocks=40, page_size=16, max_num_seqs=4, max_model_len=512)
+    for policy in (Policy("k3", lambda e: FixedPolicy(3)), Policy("adaptive")):
+        result, engine = run_policy(Workload(reqs, 4), policy, COSTS, shape)
+        assert engine.allocator.num_free_blocks == shape.num_kv_blocks
+        assert result.tokens == sum(len(r.path) for r in reqs)
+    assert preempted  # the pool was too small for every request at once
+
+
+def test_leaked_block_is_reported(monkeypatch):
+    from engine.block_allocator import BlockAllocator
+
+    real_free = BlockAllocator.free
+
+    def leaky_free(self, seq):
+        if seq.request_id == "q0":
+            seq.block_table = seq.block_table[:-1]  # forget one block: it never comes back
+        real_free(self, seq)
+
+    monkeypatch.setattr(BlockAllocator, "free", leaky_free)
+    with pytest.raises(ReplayError, match="leaked"):
+        run_policy(
+            Workload([_one_request(MATCHES)], 1),
+            Policy("k2", lambda e: FixedPolicy(2)),
+            COSTS,
+            SHAPE,
+        )
+
+
+def test_oracle_is_at_least_every_fixed_policy_on_a_synthetic_trace():
+    ts = synthetic_trace_set(n_out=48)
+    reqs = [replay_request(t, f"q{i}", 0) for i, t in enumerate(ts.requests)]
+    rates = {}
+    for policy in default_policies():
+        if policy.name == "adaptive":
+            continue
+        result, _ = run_policy(Workload(reqs, 1), policy, COSTS, SHAPE)
+        rates[policy.name] = result.tokens_per_s
+    assert rates["oracle"] >= max(v for n, v in rates.items() if n != "oracle")
+
+
+def test_oracle_reads_the_traces_future():
+    req = _one_request(MATCHES)
+    oracle = OraclePolicy({req.request_id: req}, COSTS, MAX_K)
+    assert req.leading_accepts(0, 6) == 2
+    assert req.leading_accepts(3, 6) == 5
+    assert req.leading_accepts(3, 2) == 2
+    assert oracle.k_max == MAX_K
+
+
+def test_sampled_acceptance_is_drawn_from_the_overlap_with_a_fixed_seed():
+    trace = synthetic_trace("r1", "translation", 1.0, [False] * 4000, overlap=0.3)
+    a = replay_request(trace, "a", seed=0)
+    b = replay_request(trace, "b", seed=0)
+    c = replay_request(trace, "c", seed=0, offset=1)
+    assert np.array_equal(a.accept, b.accept)  # same request, same seed: the same draws
+    assert not np.array_equal(a.accept, c.accept)  # another replica draws its own
+    assert abs(a.accept.mean() - 0.3) < 0.03
+
+
+def test_sim_clock_slowdown_and_stalls():
+    clock = SimClock(slowdowns=[(1.0, 2.0, 1.3)], stalls=[5.0], stall_seconds=3.0)
+    clock.charge(1.0)
+    assert clock() == pytest.approx(1.0)
+    clock.charge(0.5)  # starts inside the window: 30% slower
+    assert clock() == pytest.approx(1.65)
+    clock.advance_to(4.9)
+    clock.charge(0.2)  # runs across the stall at t = 5
+    assert clock() == pytest.approx(8.1)
+    clock.charge(0.1)
+    assert clock() == pytest.approx(8.2)
+
+
+def test_step_costs_interpolate_and_price_context():
+    # the linear table is reproduced between and beyond its points
+    assert COSTS.target(7, 1) == pytest.approx(0.05 + 0.014 + 0.001)
+    assert COSTS.target(24, 3) == pytest.approx(0.05 + 0.048 + 0.003, rel=0.05)
+    assert COSTS.target_attention == pytest.approx(1e-9)
+    long = COSTS.target_seconds([(1, 4000)], sampled_rows=1)
+    short = COSTS.target_seconds([(1, 31)], sampled_rows=1)
+    assert long > short
+
+
+def test_suite_is_deterministic_and_has_the_required_shape(tmp_path):
+    ts = synthetic_trace_set()
+    save_traces(tmp_path / "t", ts.requests, ts.meta)
+    loaded = load_traces(tmp_path / "t")
+    wanted = {"code_c2", "open_c2", "switch"}
+    scenarios = [s for s in default_scenarios() if s.name in wanted]
+    policies = [p for p in default_policies() if p.name in ("plain", "fixed_k2", "adaptive")]
+    first = to_json(run_suite(loaded, scenarios, policies))
+    second = to_json(run_suite(load_traces(tmp_path / "t"), scenarios, policies))
+    assert first == second
+    report = run_suite(loaded, scenarios, policies)
+    assert [r["name"] for r in report["scenarios"]] == [s.name for s in scenarios]
+    for r in report["scenarios"]:
+        assert set(r["tokens_per_s"]) == {"plain", "fixed_k2", "adaptive"}
+        assert all(v > 0 for v in r["tokens_per_s"].values())
+    assert "adaptive / best fixed" in to_markdown(report)
+
+
+def test_default_suite_names_every_policy_and_scenario():
+    names = [p.name for p in default_policies()]
+    assert names == ["plain", *[f"fixed_k{k}" for k in range(1, 7)], "adaptive", "oracle"]
+    scenario_names = [s.name for s in default_scenarios()]
+    for c in (1, 2, 4, 8, 16, 32, 64):
+        assert f"code_c{c}" in scenario_names and f"open_c{c}" in scenario_names
+    for name in ("slowdown", "stalls", "switch", "long_prompts", "mixed"):
+        assert name in scenario_names
+
+
+def test_a_scenario_without_requests_for_its_workload_is_an_error():
+    ts = synthetic_trace_set()
+    ts.requests = [r for r in ts.requests if r.temperature > 0]
+    scenario = [s for s in default_scenarios() if s.name == "code_c1"]
+    with pytest.raises(ValueError, match="no requests"):
+        run_suite(ts, scenario, default_policies()[:1])
+
+
+def test_missing_trace_set_is_a_clear_error(tmp_path):
+    from engine.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match="no trace set"):
+        load_traces(tmp_path)
+
+
+def test_scenario_type_is_public():
+    assert Scenario.__name__ == "Scenario"
+
+
+def test_replay_command_writes_identical_files_twice(tmp_path, capsys):
+    from api.cli import main
+
+    ts = synthetic_trace_set()
+    save_traces(tmp_path / "t", ts.requests, ts.meta)
+    outputs = []
+    for run in ("a", "b"):
+        argv = ["replay", "--traces", str(tmp_path / "t"), "--output-dir", str(tmp_path / run)]
+        argv += ["--scenarios", "code_c1,mixed", "--policies", "plain,fixed_k2,oracle"]
+        assert main(argv) == 0
+        outputs.append(
+            (
+                (tmp_path / run / "replay.json").read_bytes(),
+                (tmp_path / run / "replay.md").read_bytes(),
+            )
+        )
+    assert outputs[0] == outputs[1]
+    assert b'"fixed_k2"' in outputs[0][0]
+
+
+def test_replay_command_rejects_unknown_names(tmp_path, capsys):
+    from api.cli import main
+
+    ts = synthetic_trace_set()
+    save_traces(tmp_path / "t", ts.requests, ts.meta)
+    argv = ["replay", "--traces", str(tmp_path / "t"), "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--policies", "fixed_k9"]) == 2
+    assert "unknown policy fixed_k9" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_committed_trace_set_covers_every_category_and_replays():
+    from evals.datasets import CATEGORIES
+
+    traces = load_traces()
+    seen = {(t.category, t.temperature) for t in traces.requests}
+    assert seen == {(c, t) for c in CATEGORIES for t in (0.0, 1.0)}
+    table = traces.cost_table
+    for key in ("target", "target_context", "target_prefill_context", "draft", "sampling"):
+        assert table[key], key
+    scenario = [s for s in default_scenarios() if s.name == "code_c1"]
+    policies = [p for p in default_policies() if p.name in ("plain", "fixed_k2")]
+    tps = run_suite(traces, scenario, policies)["scenarios"][0]["tokens_per_s"]
+    assert tps["fixed_k2"] > tps["plain"] > 0  # code at T = 0, one client: drafts pay

@@ -1,0 +1,76 @@
+"""`specdec trace` on a tiny random pair: the recorded path is the target's, the draft's top tokens
+are its distribution given the true prefix, and the set round-trips through its files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from evals.tiny_pair import tiny_pair
+from evals.trace_record import plain_engine, record_requests
+from evals.traces import load_traces, save_traces
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    torch.manual_seed(0)
+    target, draft = tiny_pair()
+    requests = [
+        (
+            "a@t0",
+            "code_generation",
+            list(range(3, 20)),
+            SamplingParams(temperature=0, max_tokens=12),
+        ),
+        (
+            "a@t1",
+            "code_generation",
+            list(range(3, 20)),
+            SamplingParams(temperature=1, max_tokens=12, seed=5),
+        ),
+        ("b@t0", "math", list(range(40, 52)), SamplingParams(temperature=0, max_tokens=10)),
+    ]
+    target_engine = plain_engine(target, 0.1, 4, 0)
+    draft_engine = plain_engine(draft, 0.1, 4, 0)
+    free = (target_engine.allocator.num_free_blocks, draft_engine.allocator.num_free_blocks)
+    traces = record_requests(target_engine, draft_engine, requests)
+    after = (target_engine.allocator.num_free_blocks, draft_engine.allocator.num_free_blocks)
+    return target, draft, requests, traces, free, after
+
+
+def test_greedy_path_is_the_targets_plain_output(recorded):
+    target, _, requests, traces, _, _ = recorded
+    engine = plain_engine(target, 0.1, 4, 0)
+    for (rid, _, prompt, params), trace in zip(requests, traces, strict=True):
+        if params.temperature == 0:
+            out = engine.generate([prompt], params)[0]
+            assert trace.tokens.tolist() == out.output_token_ids, rid
+            # greedy: the path token is the target's most likely one
+            assert np.all(trace.target_prob + 1e-6 >= trace.target_probs_of_draft.max(axis=1))
+
+
+def test_draft_top_tokens_are_its_distribution_given_the_true_prefix(recorded):
+    _, draft, requests, traces, _, _ = recorded
+    engine = plain_engine(draft, 0.1, 4, 0)
+    for (_, _, prompt, _), trace in zip(requests, traces, strict=True):
+        assert np.all(np.diff(trace.draft_probs, axis=1) <= 1e-7)  # sorted, most likely first
+        # the draft's greedy next token after prompt + path[:j] is its recorded top-1
+        for j in (0, trace.num_output // 2, trace.num_output - 1):
+            prefix = prompt + trace.tokens[:j].tolist()
+            out = engine.generate([prefix], SamplingParams(temperature=0, max_tokens=1))[0]
+            assert out.output_token_ids[0] == trace.draft_ids[j, 0]
+
+
+def test_recording_returns_every_block_and_round_trips(recorded, tmp_path):
+    _, _, requests, traces, free, after = recorded
+    assert free == after
+    save_traces(tmp_path, traces, {"cost_table": {}})
+    loaded = load_traces(tmp_path).requests
+    assert [t.id for t in loaded] == [r[0] for r in requests]
+    for a, b in zip(traces, loaded, strict=True):
+        assert np.array_equal(a.tokens, b.tokens)
+        assert np.array_equal(a.draft_ids, b.draft_ids)
+        assert np.allclose(a.draft_probs, b.draft_probs, atol=1e-3)
+        assert b.temperature == a.temperature and b.seed == a.seed
