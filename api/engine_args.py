@@ -46,8 +46,8 @@ HELP = {
     "num_threads": "torch CPU threads (default: torch's choice)",
     "controller_warmup": "time plain, verify and draft shapes at start-up to seed the adaptive "
     "policy's cost model (cached per machine under $SPECDEC_HOME/calibration)",
-    "stop_drafts_early": "adaptive policy: drafting 'auto' sequences draft up to k and stop each "
-    "where the draft's confidence says more forwards do not pay",
+    "stop_drafts_early": "adaptive policy: drafting 'auto' sequences stop short of their k where "
+    "the draft's confidence says more forwards do not pay",
     "enforce_eager": "never capture CUDA graphs (they need CUDA and the FlashInfer backend)",
 }
 

@@ -512,12 +512,15 @@ class LLMEngine:
 
 
 def _target_shape(plan: StepPlan) -> ForwardShape:
-    """Rows, sequences and attended (query, key) pairs of the step's target forward."""
-    attended = 0
+    """Rows, sequences, attended (query, key) pairs and sampled rows of the step's target
+    forward."""
+    attended = sampled = 0
     for s in plan.scheduled:
         q = s.num_query_tokens
         attended += q * (s.seq.num_computed_tokens + q)
-    return ForwardShape(plan.num_batched_tokens, len(plan.scheduled), attended)
+        if s.completes_prompt and not s.seq.params.greedy:
+            sampled += 1 + s.num_spec_tokens
+    return ForwardShape(plan.num_batched_tokens, len(plan.scheduled), attended, sampled)
 
 
 def _check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

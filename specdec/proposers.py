@@ -166,10 +166,11 @@ class DraftModelProposer:
 
 
 def _shape(entries: list[RunEntry]) -> ForwardShape:
-    """Rows, sequences and attended (query, key) pairs of one forward."""
+    """Rows, sequences, attended (query, key) pairs and sampled rows of one forward."""
     rows = sum(len(e.token_ids) for e in entries)
     attended = sum(len(e.token_ids) * (e.start_pos + len(e.token_ids)) for e in entries)
-    return ForwardShape(rows, len(entries), attended)
+    sampled = sum(e.num_logits for e in entries if not e.seq.params.greedy)
+    return ForwardShape(rows, len(entries), attended, sampled)
 
 
 def _catchup_entries(items: list[ScheduledSeq]) -> list[RunEntry]:

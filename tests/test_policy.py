@@ -21,6 +21,7 @@ from specdec.controller.policy import (
     FixedPolicy,
     PrefillShape,
     SeqOutcome,
+    SpecDecision,
     StepObservation,
     keep_drafting,
 )
@@ -213,11 +214,33 @@ def test_keep_drafting_follows_calibrated_reach():
     assert not keep_drafting([0.9, 0.2], 2, stop)  # 0.95 * 0.3 * 0.8 = 0.23
 
 
-def test_adaptive_draft_stop_lets_sure_drafts_run_to_k_max():
+def test_adaptive_draft_stop_keeps_sure_drafts_going_within_the_chosen_k():
     policy = AdaptivePolicy(6, initial_acceptance=0.7)
     rng = random.Random(6)
     seqs = make_seqs(1)
     _run(policy, seqs, acceptance=0.85, draft_cost=0.01, steps=60, rng=rng)
     decision = policy.decide(seqs, PrefillShape())
-    assert decision.ks == [6] and decision.stop is not None
-    assert keep_drafting([0.99] * 3, 3, decision.stop)
+    assert decision.ks[0] >= 3 and decision.stop is not None
+    assert keep_drafting([0.99] * 2, 2, decision.stop)  # sure drafts go on to the cap
+
+
+def test_the_proposer_never_drafts_past_the_chosen_k():
+    from tiny_models import make_engine, noisy_copy, tiny_hf_model
+
+    target = tiny_hf_model(seed=0)
+    engine = make_engine(target, noisy_copy(target, 0.01), num_speculative_tokens=6)
+    stop = DraftStop(((0.5,), (0.99, 0.99)), (0.99,) * 6, min_value=0.0)  # always go on
+
+    class CapAtTwo:
+        def decide(self, seqs, prefill):
+            return SpecDecision([2] * len(seqs), stop)
+
+        def observe(self, obs):
+            pass
+
+        def stats(self):
+            return {}
+
+    engine.policy = CapAtTwo()
+    out = engine.generate([[3, 4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert len(out.spec_stats.drafted_per_pos) == 2

@@ -54,6 +54,7 @@ def build_policy(
         INITIAL_ACCEPTANCE.get(proposer_name, 0.5),
         stop_drafts_early=config.stop_drafts_early,
         has_draft_model=draft is not None,
+        max_model_len=max_model_len,
     )
     if config.controller_warmup:
         models = [config.model] + ([config.draft_model or ""] if draft is not None else [])

@@ -19,10 +19,12 @@ after ``EXPLORE_INTERVAL`` decode steps without running it, the best candidate o
 length (plain included) runs for one step if it is predicted within ``EXPLORE_BAND`` of the held
 decision, so shapes the engine stopped running are measured again and cannot stay mispriced.
 
-Drafting sequences may draft up to ``k_max`` while the draft is sure: the decision carries a
-threshold, and a sequence drafts one more token only while the expected tokens it adds (the chance
-that all its drafts so far hold, from their calibrated confidences, times the next position's
-acceptance) are worth their marginal time at the step's goodput (``keep_drafting``).
+A drafting sequence drafts up to the k it was given and stops early once the draft is unsure: the
+decision carries a threshold, and a sequence drafts one more token only while the expected tokens
+it adds (the chance that all its drafts so far hold, from their calibrated confidences, times the
+next position's acceptance) are worth their marginal time at the step's goodput
+(``keep_drafting``). It never drafts past its k, so the step the decision priced bounds the step
+that runs.
 
 Decisions depend only on the measurements given to ``observe`` and the sequences' own counts:
 no clock, no randomness, so a recorded run replays to the same decisions.
@@ -30,6 +32,7 @@ no clock, no randomness, so a recorded run replays to the same decisions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,6 +53,7 @@ EXPLORE_BAND = 0.15  # only runners-up a plausible mispricing (<15%) could make 
 # TTFT targets are commonly set at a few times the TPOT target.
 FIRST_TOKEN_WEIGHT = 4.0
 _COUNT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_KEPT_PACE = 2  # draft rows after a verify: the bonus token, and the last accepted draft's
 
 
 @dataclass(frozen=True)
@@ -172,8 +176,10 @@ class AdaptivePolicy:
         cost: StepCostModel | None = None,
         stop_drafts_early: bool = True,
         has_draft_model: bool = True,
+        max_model_len: int = 4096,
     ) -> None:
         self.k_max = k_max
+        self.max_model_len = max_model_len
         self.acceptance = AcceptanceModel(k_max, initial_acceptance)
         self.confidence = ConfidenceBins(initial_acceptance)
         self.cost = cost or StepCostModel()
@@ -197,29 +203,33 @@ class AdaptivePolicy:
         tables = self._tables(seqs)
         held = self._evaluate_held(seqs, auto, tables, pinned, prefill)
         decode_only = prefill.seqs == 0
+        explore = self._exploration_due(decode_only)
         if (
             held.k == 0
-            and not self._exploration_due(decode_only)
-            and self._plain_is_safe(seqs, auto, tables, held, prefill)
+            and not explore
+            and (not decode_only or self._plain_is_safe(seqs, auto, tables, held, prefill))
         ):
             self._last, self._last_goodput, self._last_seconds = held.ks, held.goodput, held.seconds
             return SpecDecision(held.ks, None, held.seconds, held.goodput)
         candidates = self._candidates(seqs, auto, tables, pinned, prefill)
+        if not decode_only:
+            # A step with prompt chunks weighs their first tokens too and may draft less than the
+            # held decision, never more: sequences it would start drafting would pay their
+            # draft's catch-up for one step, and only a decode-only step moves the held decision.
+            candidates = [c for c in candidates if c.k <= held.k and c.share <= held.share]
         best = max(candidates, key=lambda c: c.goodput)
         choice = held
         if best.goodput > held.goodput * (1.0 + MARGIN):
             choice = best
-            # A step priced with prompt chunks in it weighs first tokens too: it may choose for
-            # itself, but only a decode-only step moves the held decision.
             if decode_only:
                 self._held = (best.k, best.share)
-        choice = self._maybe_explore(choice, candidates, decode_only)
+        if explore:
+            choice = self._runner_up(choice, candidates)
         ks = choice.ks
         self._last, self._last_goodput, self._last_seconds = ks, choice.goodput, choice.seconds
         stop = None
         if self.stop_drafts_early and any(ks[i] for i in auto):
             stop = self._draft_stop(seqs, ks, choice, prefill)
-            ks = [self.k_max if k else 0 for k in ks]
         return SpecDecision(ks, stop, choice.seconds, choice.goodput)
 
     def _tables(self, seqs: Seq[Sequence]) -> dict[int, list[float]]:
@@ -265,7 +275,11 @@ class AdaptivePolicy:
     ) -> tuple[float, float]:
         """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
         seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill))
-        drafting = [(k, _catch_up(s)) for s, k in zip(seqs, ks, strict=True) if k]
+        drafting = [
+            (k, self._catch_up(s, self._table_of(s)[min(k, self.k_max)]), _sampled(s))
+            for s, k in zip(seqs, ks, strict=True)
+            if k
+        ]
         if drafting and self.has_draft_model:
             seconds += self.cost.draft_time(_draft_forwards(drafting))
         return seconds, FIRST_TOKEN_WEIGHT * prefill.seqs
@@ -281,50 +295,73 @@ class AdaptivePolicy:
         Each candidate adds its drafting sequences' rows, attention and value to the pinned
         step's as running sums, so pricing one costs two cost-model calls, not a pass over the
         batch."""
-        base_rows, base_att, base_value = prefill.rows, prefill.attended, 0.0
-        base_value += FIRST_TOKEN_WEIGHT * prefill.seqs
-        on_catch_up = []
+        base = _target_shape_of(seqs, pinned, prefill)
+        base_value = FIRST_TOKEN_WEIGHT * prefill.seqs
+        on_catch_up, on_sampled = 0, 0
         for i, (s, k) in enumerate(zip(seqs, pinned, strict=True)):
-            base_rows += 1 + k
-            base_att += (1 + k) * (s.num_tokens + k)
             base_value += tables[i][k] if i in tables else 1.0
             if k:
-                on_catch_up.append(_catch_up(s))
-        num_seqs = len(seqs) + prefill.seqs
-        on_k = self.k_max if on_catch_up else 0
+                on_catch_up += self._catch_up(s, tables[i][k])
+                on_sampled += _sampled(s)
+        num_on = sum(1 for k in pinned if k)
+        on_k = self.k_max if num_on else 0
 
-        def price(k: int, n: int, rows: int, att: int, value: float, catch_up: int):
+        def price(k: int, n: int, rows: int, att: int, samp: int, value: float, catch_up: int,
+                  drafts_sampled: int):  # fmt: skip
             seconds = self.cost.target_time(
-                ForwardShape(base_rows + rows, num_seqs, base_att + att)
+                ForwardShape(base.rows + rows, base.seqs, base.attended + att, base.sampled + samp)
             )
-            if (n or on_catch_up) and self.has_draft_model:
-                first = ForwardShape(catch_up + sum(on_catch_up), n + len(on_catch_up))
-                later = [
-                    ForwardShape(*((n if f < k else 0) + len(on_catch_up),) * 2)
-                    for f in range(1, max(k if n else 0, on_k))
-                ]
+            if (n or num_on) and self.has_draft_model:
+                first = ForwardShape(
+                    catch_up + on_catch_up, n + num_on, 0, drafts_sampled + on_sampled
+                )
+                later = []
+                for f in range(1, max(k if n else 0, on_k)):
+                    m = (n if f < k else 0) + num_on
+                    sampled = (drafts_sampled if f < k else 0) + on_sampled
+                    later.append(ForwardShape(m, m, 0, sampled))
                 seconds += self.cost.draft_time([first, *later])
             return seconds, base_value + value
 
-        seconds, value = price(0, 0, 0, 0, 0.0, 0)
+        seconds, value = price(0, 0, 0, 0, 0, 0.0, 0, 0)
         out = [_Candidate(0, 0.0, value / seconds, seconds, pinned)]
         for k in range(1, self.k_max + 1):
             order = sorted(auto, key=lambda i: -tables[i][k])
             counts = set(_counts(len(order)))
-            rows = att = catch_up = 0
+            rows = att = samp = catch_up = drafts_sampled = 0
             value = 0.0
             for n, i in enumerate(order, start=1):
                 ctx = seqs[i].num_tokens
                 rows += k
                 att += (1 + k) * (ctx + k) - ctx
+                samp += k * _sampled(seqs[i])
+                drafts_sampled += _sampled(seqs[i])
                 value += tables[i][k] - 1.0
-                catch_up += _catch_up(seqs[i])
+                catch_up += self._catch_up(seqs[i], tables[i][k])
                 if n in counts:
-                    seconds, total = price(k, n, rows, att, value, catch_up)
+                    seconds, total = price(k, n, rows, att, samp, value, catch_up, drafts_sampled)
                     out.append(
                         _Candidate(k, n / len(order), total / seconds, seconds, pinned, order[:n])
                     )
         return out
+
+    def _catch_up(self, seq: Sequence, expected: float) -> int:
+        """Draft rows a step that drafts for ``seq`` is charged: the one or two tokens a draft
+        that kept pace reads, plus the rest of its lag (a prompt it never read, steps it sat
+        out) spread over the steps the sequence has left at ``expected`` tokens a step. The
+        catch-up is paid once and serves every later step; charged whole to the first, no
+        sequence that sat plain for a while would ever start drafting again."""
+        lag = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
+        if lag <= _KEPT_PACE:
+            return lag
+        left = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        steps_left = max(1.0, left / expected)
+        return _KEPT_PACE + math.ceil((lag - _KEPT_PACE) / steps_left)
+
+    def _table_of(self, seq: Sequence) -> list[float]:
+        return self._table_cache[seq.seq_id][1]
 
     def _evaluate_held(self, seqs, auto, tables, pinned, prefill) -> _Candidate:
         k, share = self._held
@@ -336,12 +373,9 @@ class AdaptivePolicy:
             k, share = 0, 0.0
         return self._price(seqs, ks, prefill, tables, k, share)
 
-    def _maybe_explore(
-        self, choice: _Candidate, candidates: list[_Candidate], decode_only: bool
-    ) -> _Candidate:
-        """Run the best candidate of another draft length now and then (module docstring)."""
-        if not self._exploration_due(decode_only):
-            return choice
+    def _runner_up(self, choice: _Candidate, candidates: list[_Candidate]) -> _Candidate:
+        """The best candidate of another draft length, when it is within ``EXPLORE_BAND`` of the
+        choice (and then the exploration clock restarts); else the choice."""
         others = [c for c in candidates if c.k != choice.k]
         if not others:
             return choice
@@ -394,25 +428,30 @@ class AdaptivePolicy:
 def _target_shape_of(seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape) -> ForwardShape:
     """The target forward of a step where sequence i verifies ks[i] drafts beside the prompt
     chunks of ``prefill``."""
-    rows, attended = prefill.rows, prefill.attended
+    rows, attended, sampled = prefill.rows, prefill.attended, 0
     for s, k in zip(seqs, ks, strict=True):
         rows += 1 + k
         attended += (1 + k) * (s.num_tokens + k)
-    return ForwardShape(rows, len(seqs) + prefill.seqs, attended)
+        sampled += (1 + k) * _sampled(s)
+    return ForwardShape(rows, len(seqs) + prefill.seqs, attended, sampled)
 
 
-def _catch_up(seq: Sequence) -> int:
-    """Tokens the draft must read before drafting: at least the newest committed token."""
-    return max(1, seq.num_tokens - seq.num_draft_computed_tokens)
+def _sampled(seq: Sequence) -> int:
+    """1 when the sequence's tokens are drawn from a warped distribution, 0 for greedy."""
+    return 0 if seq.params.greedy else 1
 
 
-def _draft_forwards(drafting: Seq[tuple[int, int]]) -> list[ForwardShape]:
-    """Forward 0 feeds each drafting sequence its catch-up; forward f > 0 one token to each
-    sequence drafting more than f tokens."""
-    forwards = [ForwardShape(sum(c for _, c in drafting), len(drafting))]
-    for f in range(1, max(k for k, _ in drafting)):
-        n = sum(1 for k, _ in drafting if k > f)
-        forwards.append(ForwardShape(n, n))
+def _draft_forwards(drafting: Seq[tuple[int, int, int]]) -> list[ForwardShape]:
+    """Forward 0 feeds each drafting sequence (k, catch-up rows, sampled) its catch-up; forward
+    f > 0 one token to each sequence drafting more than f tokens."""
+    first = ForwardShape(
+        sum(c for _, c, _ in drafting), len(drafting), 0, sum(s for *_, s in drafting)
+    )
+    forwards = [first]
+    for f in range(1, max(k for k, _, _ in drafting)):
+        n = sum(1 for k, _, _ in drafting if k > f)
+        sampled = sum(s for k, _, s in drafting if k > f)
+        forwards.append(ForwardShape(n, n, 0, sampled))
     return forwards
 
 

@@ -1,14 +1,16 @@
 """Step cost: predicted seconds of a target forward and of a step's draft forwards, fitted online.
 
 A forward of ``r`` rows over ``s`` sequences whose rows attend to ``A`` (query, key) pairs in all
-(``A = sum_i q_i * kv_i``) is modelled as::
+(``A = sum_i q_i * kv_i``), ``m`` of whose rows are sampled from a warped distribution (the rows
+of requests at temperature > 0 that need a token: softmax, filters and a draw over the whole
+vocabulary, where a greedy row needs an argmax), is modelled as::
 
-    t(r, s, A) = speed * (W(r) + c_seq * s + c_attn * A)
+    t(r, s, A, m) = speed * (W(r) + c_seq * s + c_attn * A + c_samp * m)
 
 ``W`` is piecewise linear in ``r`` between knots at powers of two: flat while a forward streams
 the weights once whatever its rows (memory-bound), then rising once the rows' arithmetic
 dominates (compute-bound); no shape is assumed beyond continuity. ``c_seq`` carries per-sequence
-work (sampling, bookkeeping), ``c_attn`` attention over long contexts. A step's draft time is the
+work (bookkeeping), ``c_attn`` attention over long contexts, ``c_samp`` sampling. A step's draft time is the
 sum of such terms over its draft forwards, so draft steps of any mix fit the same way.
 
 The fit is a weighted least squares over the latest ``COST_WINDOW`` live steps and the start-up
@@ -20,9 +22,10 @@ non-decreasing.
 ``speed`` is the machine's current pace: the median of the last ``SPEED_WINDOW`` ratios of
 measured to fitted time. The fit stores each step divided by the pace at that moment, so a slow
 spell measured on the shapes the engine ran does not make them look dearer than shapes it did not
-run. A step over ``STALL_RATIO`` times the last measurement of its own shape (a page fault,
-another process) is left out of the fit; it still enters the pace window, where one outlier moves
-no median. A shape never measured is not judged: the fit may be far off there, which is no stall.
+run. Only steps of a shape measured before enter the pace window: a shape's first steps measure
+what the fit got wrong about it, not the machine. A step over ``STALL_RATIO`` times the last
+measurement of its own shape (a page fault, another process) is left out of the fit; it still
+enters the pace window, where one outlier moves no median.
 """
 
 from __future__ import annotations
@@ -42,34 +45,38 @@ STALL_RATIO = 2.0  # a step over twice its prediction is a stall, not a price
 _SMOOTHNESS = 0.1  # weight of the slope-change penalty against one observation
 _ATTN_SCALE = 1e-6  # attention pairs are counted in millions to keep the system well scaled
 _KNOTS = tuple(2**i for i in range(17))  # 1 .. 65536 rows
+_NUM_PARAMS = len(_KNOTS) + 3  # the knots' values, c_seq, c_attn, c_samp
 
 
 @dataclass(frozen=True)
 class ForwardShape:
-    """One forward: rows computed, sequences in it, (query, key) pairs attended."""
+    """One forward: rows computed, sequences in it, (query, key) pairs attended, and the rows
+    whose next token is sampled from a warped distribution."""
 
     rows: int
     seqs: int
     attended: int = 0
+    sampled: int = 0
 
 
 def _features(shape: ForwardShape) -> np.ndarray:
     """Linear features of one forward: interpolation weights on the knots, seqs, attention."""
-    x = np.zeros(len(_KNOTS) + 2)
+    x = np.zeros(_NUM_PARAMS)
     r = min(max(shape.rows, 1), _KNOTS[-1])
     i = min(int(np.searchsorted(_KNOTS, r, side="right")) - 1, len(_KNOTS) - 2)
     lo, hi = _KNOTS[i], _KNOTS[i + 1]
     w = (r - lo) / (hi - lo)
     x[i] += 1.0 - w
     x[i + 1] += w
-    x[-2] = shape.seqs
-    x[-1] = shape.attended * _ATTN_SCALE
+    x[-3] = shape.seqs
+    x[-2] = shape.attended * _ATTN_SCALE
+    x[-1] = shape.sampled
     return x
 
 
 def features(shapes: Iterable[ForwardShape]) -> np.ndarray:
     """Features of a sum of forwards (a step's draft forwards, or one target forward)."""
-    total = np.zeros(len(_KNOTS) + 2)
+    total = np.zeros(_NUM_PARAMS)
     for s in shapes:
         total += _features(s)
     return total
@@ -86,10 +93,10 @@ class ForwardCost:
         self._live_y: deque[float] = deque(maxlen=COST_WINDOW)
         self._cal_x: list[np.ndarray] = []
         self._cal_y: list[float] = []
-        self._theta = np.zeros(len(_KNOTS) + 2)
+        self._theta = np.zeros(_NUM_PARAMS)
         self._theta[: len(_KNOTS)] = prior_seconds
         self._knot_values = self._theta[: len(_KNOTS)].tolist()
-        self._c_seq = self._c_attn = 0.0
+        self._c_seq = self._c_attn = self._c_samp = 0.0
         self._dirty = False
 
     def seed(self, samples: Sequence[tuple[Sequence[ForwardShape], float]]) -> None:
@@ -116,7 +123,7 @@ class ForwardCost:
         computed without arrays (the policy prices many shapes a step)."""
         if self._dirty:
             self._refit()
-        knots, c_seq, c_attn = self._knot_values, self._c_seq, self._c_attn
+        knots, c_seq, c_attn, c_samp = self._knot_values, self._c_seq, self._c_attn, self._c_samp
         r = min(max(shape.rows, 1), _KNOTS[-1])
         i = min(bisect_right(_KNOTS, r) - 1, len(_KNOTS) - 2)
         w = (r - _KNOTS[i]) / (_KNOTS[i + 1] - _KNOTS[i])
@@ -125,6 +132,7 @@ class ForwardCost:
             + knots[i + 1] * w
             + c_seq * shape.seqs
             + c_attn * shape.attended * _ATTN_SCALE
+            + c_samp * shape.sampled
         )
 
     @property
@@ -136,7 +144,7 @@ class ForwardCost:
         rows = [*self._live_x, *self._cal_x]
         if not rows:
             return
-        x = np.stack(rows) @ _MONOTONE  # columns: W(1), the rises between knots, c_seq, c_attn
+        x = np.stack(rows) @ _MONOTONE  # columns: W(1), the rises between knots, the coefficients
         y = np.array([*self._live_y, *self._cal_y])
         w = np.sqrt([1.0] * len(self._live_y) + [CALIBRATION_WEIGHT] * len(self._cal_y))
         prior = np.zeros(_NUM_PARAMS)
@@ -145,7 +153,7 @@ class ForwardCost:
         b = np.concatenate([y * w, np.zeros(len(_SLOPE_PENALTY)), prior * _RIDGE])
         self._theta = _MONOTONE @ _non_negative_lstsq(a, b)
         self._knot_values = self._theta[: len(_KNOTS)].tolist()
-        self._c_seq, self._c_attn = float(self._theta[-2]), float(self._theta[-1])
+        self._c_seq, self._c_attn, self._c_samp = (float(v) for v in self._theta[-3:])
 
 
 def _non_negative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -164,13 +172,14 @@ def _non_negative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _monotone_basis() -> np.ndarray:
-    """Maps (W(1), rise to knot 2, ..., rise to the last knot, c_seq, c_attn) to the knot values
-    and the two coefficients: non-negative rises make W non-decreasing."""
+    """Maps (W(1), rise to knot 2, ..., rise to the last knot, c_seq, c_attn, c_samp) to the knot
+    values and the coefficients: non-negative rises make W non-decreasing."""
     n = len(_KNOTS)
-    m = np.zeros((n + 2, n + 2))
+    m = np.zeros((_NUM_PARAMS, _NUM_PARAMS))
     for i in range(n):
         m[i, : i + 1] = 1.0
-    m[n, n] = m[n + 1, n + 1] = 1.0
+    for j in range(n, _NUM_PARAMS):
+        m[j, j] = 1.0
     return m
 
 
@@ -178,7 +187,7 @@ def _slope_penalty() -> np.ndarray:
     """Rows penalising the change of slope at each inner knot, scaled by the knot's rows so
     that a change costs the same relative error at every scale."""
     n = len(_KNOTS)
-    pen = np.zeros((n - 2, n + 2))
+    pen = np.zeros((n - 2, _NUM_PARAMS))
     for i in range(1, n - 1):
         # slope left of knot i = rise_i / width_left; right = rise_{i+1} / width_right
         pen[i - 1, i] = -_KNOTS[i] / (_KNOTS[i] - _KNOTS[i - 1]) * _SMOOTHNESS
@@ -186,13 +195,13 @@ def _slope_penalty() -> np.ndarray:
     return pen
 
 
-_NUM_PARAMS = len(_KNOTS) + 2
 _MONOTONE = _monotone_basis()
 _SLOPE_PENALTY = _slope_penalty()
 # A faint pull towards the prior keeps directions without data defined; next to none on the
 # rises, so that rows past the data extrapolate along the last measured slope.
 _RIDGE = np.full(_NUM_PARAMS, 1e-6)
-_RIDGE[0] = _RIDGE[-2] = _RIDGE[-1] = 1e-3
+_RIDGE[0] = 1e-3
+_RIDGE[-3:] = 1e-3
 
 
 class StepCostModel:
@@ -227,14 +236,13 @@ class StepCostModel:
         measured = target_seconds + draft_seconds
         if predicted <= 0.0 or measured <= 0.0:
             return
-        self._ratios.append(measured / predicted)
-        # Before the fit holds a few live steps, ratios compare against calibration or the
-        # prior and say little about the pace.
-        if self.target.num_live >= SPEED_WINDOW:
-            self.speed = statistics.median(self._ratios)
         key = (target.rows, target.seqs, sum(f.rows for f in draft_forwards))
-        normalized = measured / self.speed
         last = self._last_by_shape.get(key)
+        if last is not None:
+            self._ratios.append(measured / predicted)
+            if len(self._ratios) >= SPEED_WINDOW:
+                self.speed = statistics.median(self._ratios)
+        normalized = measured / self.speed
         if last is not None and normalized > STALL_RATIO * last:
             return
         self._last_by_shape[key] = normalized
