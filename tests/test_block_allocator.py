@@ -207,7 +207,8 @@ def colliding_first_blocks(page: int) -> tuple[list[int], list[int]]:
     h_a = hash((None, tuple(a)))
     for other in range(1000, 2000):
         for want in (h_a + _MOD61, h_a - _MOD61):
-            if not -(1 << 63) <= want < 1 << 63:
+            # An int hashes to its residue with its own sign: only a key of h_a's sign collides.
+            if not -(1 << 63) <= want < 1 << 63 or (want < 0) != (h_a < 0):
                 continue
             inner = _signed(_last_lane_for([hash(None)], want & _MASK))
             head = [other] + list(range(2, page))

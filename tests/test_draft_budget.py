@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from test_engine_greedy import expected
-from tiny_models import make_engine, tiny_hf_model
+from tiny_models import make_engine
 
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 
 BUDGET = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_hf_model("qwen2", seed=0)
-
-
-@pytest.fixture(scope="module")
-def same_as_target():
-    return tiny_hf_model("qwen2", seed=0)
 
 
 def record_rows(runner: ModelRunner) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_engine, noisy_copy, tiny_hf_model
+from tiny_models import make_engine, noisy_copy
 
 from engine.gpu_sampling import TorchKernels
 from engine.sampling_params import SamplingParams
@@ -17,11 +17,6 @@ PROMPT = [5, 9, 33, 2, 17, 80, 44, 5, 9, 33, 2, 17]  # repeats itself: n-gram lo
 
 def seeded(seed: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=1.0, max_tokens=TOKENS, ignore_eos=True, seed=seed, **kw)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_hf_model("qwen2", seed=0)
 
 
 @pytest.fixture(scope="module")

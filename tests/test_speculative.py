@@ -16,16 +16,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_hf_model("qwen2", seed=0)
-
-
-@pytest.fixture(scope="module")
-def same_as_target():
-    return tiny_hf_model("qwen2", seed=0)
-
-
-@pytest.fixture(scope="module")
 def unrelated_draft():
     return tiny_hf_model("qwen2", seed=11, layers=1, hidden=32)
 

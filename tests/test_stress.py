@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from test_draft_budget import record_plans, record_rows
-from tiny_models import make_engine, noisy_copy, tiny_hf_model
+from tiny_models import make_engine, noisy_copy
 
 from engine.sampling_params import SamplingParams
 
@@ -36,11 +36,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_hf_model("qwen2", seed=0)
 
 
 @pytest.fixture(scope="module")

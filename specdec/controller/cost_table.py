@@ -84,10 +84,7 @@ class CostTable:
 
 def machine_description(device: torch.device, dtype: torch.dtype, models: list[str]) -> dict:
     """What sets a forward's time besides its shape."""
-    if device.type == "cuda":
-        processor = torch.cuda.get_device_name(device)
-    else:
-        processor = _cpu_model() or platform.processor() or platform.machine()
+    processor = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     return {
         "processor": processor,
         "device": device.type,
@@ -98,14 +95,15 @@ def machine_description(device: torch.device, dtype: torch.dtype, models: list[s
     }
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str:
+    """The processor's model name (from /proc/cpuinfo where there is one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return None
+    return platform.processor() or platform.machine()
 
 
 @dataclass(frozen=True)
