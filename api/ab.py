@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from specdec.engine.errors import InvalidRequestError
 
 SPECULATIVE_HEADER = "X-Specdec-Speculative"
 ARM_HEADER = "X-Specdec-Arm"

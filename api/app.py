@@ -12,13 +12,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
-
-from api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner
-from api.errors import APIError, install_error_handlers
-from api.json_text import JSONText
-from api.metrics import ServerMetrics
-from api.middleware import BodySizeLimitMiddleware, UnhandledErrorMiddleware
-from api.protocol import (
+from specdec.api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner
+from specdec.api.errors import APIError, install_error_handlers
+from specdec.api.json_text import JSONText
+from specdec.api.metrics import ServerMetrics
+from specdec.api.middleware import BodySizeLimitMiddleware, UnhandledErrorMiddleware
+from specdec.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -30,9 +29,9 @@ from api.protocol import (
     ModelList,
     SpeculationHealth,
 )
-from api.serving import OpenAIServing
-from api.settings import ServerSettings
-from engine.async_engine import AsyncEngine
+from specdec.api.serving import OpenAIServing
+from specdec.api.settings import ServerSettings
+from specdec.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

@@ -7,17 +7,23 @@ import importlib
 import logging
 import sys
 
-from engine.errors import SpecdecError
+from specdec.engine.errors import SpecdecError
 
 # Sub-command -> module providing `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("api.commands.serve", "run the OpenAI-compatible server"),
-    "generate": ("api.commands.generate", "generate text for one prompt, streamed to the terminal"),
-    "pull": ("api.commands.pull", "download, verify and convert the embedded default models"),
-    "eval": ("evals.commands.eval", "offline acceptance-rate evals of a target/draft pair"),
-    "bench": ("evals.commands.bench", "load-test a running server (spec vs plain arms)"),
-    "trace": ("evals.commands.trace", "record acceptance traces and the step-cost table"),
-    "replay": ("evals.commands.replay", "replay speculation policies on recorded traces"),
+    "serve": ("specdec.api.commands.serve", "run the OpenAI-compatible server"),
+    "generate": (
+        "specdec.api.commands.generate",
+        "generate text for one prompt, streamed to the terminal",
+    ),
+    "pull": (
+        "specdec.api.commands.pull",
+        "download, verify and convert the embedded default models",
+    ),
+    "eval": ("specdec.evals.commands.eval", "offline acceptance-rate evals of a target/draft pair"),
+    "bench": ("specdec.evals.commands.bench", "load-test a running server (spec vs plain arms)"),
+    "trace": ("specdec.evals.commands.trace", "record acceptance traces and the step-cost table"),
+    "replay": ("specdec.evals.commands.replay", "replay speculation policies on recorded traces"),
 }
 
 

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import typing
 
-from engine.config import (
+from specdec.engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,

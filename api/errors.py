@@ -14,11 +14,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from specdec.api.json_text import JSONText
+from specdec.engine.async_engine import QueueFullError
+from specdec.engine.errors import SpecdecError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from api.json_text import JSONText
-from engine.async_engine import QueueFullError
-from engine.errors import SpecdecError
 
 
 class APIError(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from api.protocol import (
+from specdec.api.protocol import (
     ChatChoice,
     ChatCompletionResponse,
     ChatMessageOut,
@@ -15,7 +15,7 @@ from api.protocol import (
     SpeculativeUsage,
     Usage,
 )
-from engine.outputs import RequestOutput
+from specdec.engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-
-from engine.async_engine import EngineSnapshot
-from engine.outputs import RequestOutput
+from specdec.engine.async_engine import EngineSnapshot
+from specdec.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

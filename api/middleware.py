@@ -6,10 +6,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from specdec.api.errors import error_body
+from specdec.api.json_text import dumps
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from api.errors import error_body
-from api.json_text import dumps
 
 logger = logging.getLogger(__name__)
 

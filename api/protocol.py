@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
-
-from engine.sampling_params import BOUNDS
-from engine.tokenizer import unicode_error
+from specdec.engine.sampling_params import BOUNDS
+from specdec.engine.tokenizer import unicode_error
 
 SpeculativeMode = Literal["auto", "on", "off"]
 

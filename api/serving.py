@@ -17,20 +17,19 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import Response
+from specdec.api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner, Assignment
+from specdec.api.errors import APIError
+from specdec.api.formatting import ChatFormatter, CompletionFormatter, ResponseInfo
+from specdec.api.json_text import JSONText, dumps
+from specdec.api.metrics import RequestTracker, ServerMetrics
+from specdec.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specdec.api.settings import ServerSettings
+from specdec.api.tokenization import PromptTokenizer
+from specdec.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from specdec.engine.errors import InvalidRequestError, SpecdecError
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.tokenizer import Tokenizer
 from sse_starlette import EventSourceResponse
-
-from api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner, Assignment
-from api.errors import APIError
-from api.formatting import ChatFormatter, CompletionFormatter, ResponseInfo
-from api.json_text import JSONText, dumps
-from api.metrics import RequestTracker, ServerMetrics
-from api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from api.settings import ServerSettings
-from api.tokenization import PromptTokenizer
-from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from engine.errors import InvalidRequestError, SpecdecError
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 
 
 @dataclass

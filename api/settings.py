@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ConfigError
+from specdec.engine.errors import ConfigError
 
 DEFAULT_MAX_QUEUE_LEN = 256
 DEFAULT_REQUEST_TIMEOUT_S = 600.0

@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 
 import h11
+from specdec.api.errors import error_body
+from specdec.api.json_text import dumps
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from api.errors import error_body
-from api.json_text import dumps
 
 _TIMEOUT_BODY = dumps(error_body("the request headers did not arrive in time")).encode()
 _TIMEOUT_RESPONSE = (

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from engine.tokenizer import Tokenizer
+from specdec.engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

@@ -34,11 +34,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from engine.errors import SpecdecError
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import SpecStats
+from specdec.engine.errors import SpecdecError
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.outputs import RequestOutput
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import SpecStats
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from specdec.engine.sequence import Sequence
 
 
 @dataclass

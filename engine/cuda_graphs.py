@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from engine.attention.base import AttentionMetadata
-from engine.attention.flashinfer_backend import (
+from specdec.engine.attention.base import AttentionMetadata
+from specdec.engine.attention.flashinfer_backend import (
     FlashInferAttentionBackend,
     FlashInferStepPlan,
     flashinfer_indices_from_lengths,
 )
-from engine.models.decoder import DecoderLM
+from specdec.engine.models.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
 

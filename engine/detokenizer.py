@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from specdec.engine.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 

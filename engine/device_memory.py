@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from engine.models.arch import ModelArch
+from specdec.engine.models.arch import ModelArch
 
 # FlashInfer's wrappers each allocate this much device memory for their schedule (decode.py and
 # prefill.py of flashinfer 0.6: ``torch.empty((8 * 1024 * 1024,), dtype=torch.uint8)``).

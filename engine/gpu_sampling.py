@@ -3,7 +3,7 @@ torch reference as the fallback.
 
 Three operations, each taking ``kernels``: a `SamplingKernels` implementation (`FlashInferKernels`
 on CUDA, `TorchKernels` to run the same batched path in plain torch) or None for the reference
-path, which *is* `engine.sampling.compute_probs` / `engine.sampling.sample` and
+path, which *is* `specdec.engine.sampling.compute_probs` / `specdec.engine.sampling.sample` and
 `specdec.rejection_sampler.rejection_sample`:
 
 * `warp_probs`: penalised logits -> probabilities. Same order as the reference: greedy rows become
@@ -15,7 +15,7 @@ path, which *is* `engine.sampling.compute_probs` / `engine.sampling.sample` and
 Each row follows one of two rules, whatever the kernels:
 
 * **picked** rows (greedy or seeded requests) take the argmax, or for a seeded request the
-  exponential race on counter-based noise keyed by (seed, position) (`engine.sampling.sample`),
+  exponential race on counter-based noise keyed by (seed, position) (`specdec.engine.sampling.sample`),
   computed in torch for all such rows at once. Their drafts are verified by the coupling
   `specdec.rejection_sampler.coupled_verify` (accept while the draft is the target's pick), so the
   committed tokens equal plain decode's for any k, batch or arm. No kernel call, no per-row call.
@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from specdec.engine.sampling import RowContext, apply_penalties, compute_probs, sample
+from specdec.engine.sampling_params import SamplingParams
 
-from engine.sampling import RowContext, apply_penalties, compute_probs, sample
-from engine.sampling_params import SamplingParams
 from specdec.rejection_sampler import RejectionResult, coupled_verify, rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def probs_for_rows(
     rows: Sequence[RowContext],
     kernels: SamplingKernels | None = None,
 ) -> torch.Tensor:  # [B, V] float32
-    """`engine.sampling.compute_probs` (penalties, then the warp) with the warp on `kernels`."""
+    """`specdec.engine.sampling.compute_probs` (penalties, then the warp) with the warp on `kernels`."""
     if kernels is None:
         return compute_probs(logits, rows)
     if len(rows) != logits.shape[0]:

@@ -11,8 +11,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
-from engine.models.arch import ModelArch
+from specdec.engine.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 

@@ -10,31 +10,31 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
-
-from engine.attention import create_backend
-from engine.attention.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttentionBackend
-from engine.block_allocator import BlockAllocator
-from engine.config import EngineConfig
-from engine.cuda_graphs import GraphedForward, batch_buckets, num_scratch_blocks
-from engine.device_memory import RuntimeShapes, runtime_bytes
-from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
-from engine.gpu_sampling import flashinfer_sampling_kernels, probs_for_rows, verify_drafts
-from engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
-from engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from engine.model_runner import ModelRunner, RunEntry
-from engine.models.arch import ModelArch
-from engine.models.fused_ops import FusedOps, probe_fused_ops
-from engine.outputs import (
+from specdec.engine.attention import create_backend
+from specdec.engine.attention.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttentionBackend
+from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.config import EngineConfig
+from specdec.engine.cuda_graphs import GraphedForward, batch_buckets, num_scratch_blocks
+from specdec.engine.device_memory import RuntimeShapes, runtime_bytes
+from specdec.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from specdec.engine.gpu_sampling import flashinfer_sampling_kernels, probs_for_rows, verify_drafts
+from specdec.engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
+from specdec.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from specdec.engine.model_runner import ModelRunner, RunEntry
+from specdec.engine.models.arch import ModelArch
+from specdec.engine.models.fused_ops import FusedOps, probe_fused_ops
+from specdec.engine.outputs import (
     OutputState,
     RequestOutput,
     StepTotals,
     append_and_check,
     make_output,
 )
-from engine.sampling import RowContext
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan
-from engine.sequence import Sequence, SequenceStatus, SpecStats
+from specdec.engine.sampling import RowContext
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.scheduler import Scheduler, StepPlan
+from specdec.engine.sequence import Sequence, SequenceStatus, SpecStats
+
 from specdec.controller import build_policy
 from specdec.controller.policy import (
     PrefillShape,

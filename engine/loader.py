@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from engine.models import ModelArch, build_model, model_arch_from_hf_config
-from engine.models.decoder import DecoderLM
+from specdec.engine.models import ModelArch, build_model, model_arch_from_hf_config
+from specdec.engine.models.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +21,7 @@ class LoadedModel:
     path: Path
     arch: ModelArch
     model: DecoderLM
-    tokenizer: object | None  # engine.tokenizer.Tokenizer
+    tokenizer: object | None  # specdec.engine.tokenizer.Tokenizer
     load_seconds: float
 
 
@@ -30,7 +29,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from engine.errors import ConfigError
+        from specdec.engine.errors import ConfigError
 
         raise ConfigError("device 'cuda' requested but CUDA is not available; use --device cpu")
     return torch.device(name)
@@ -50,7 +49,7 @@ def load_model(
     load_tokenizer: bool = True,
     progress: bool = True,
 ) -> LoadedModel:
-    from engine.weights import iter_safetensors_weights, load_hf_config, resolve_model
+    from specdec.engine.weights import iter_safetensors_weights, load_hf_config, resolve_model
 
     start = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
@@ -58,7 +57,7 @@ def load_model(
     model = build_model(arch, iter_safetensors_weights(path), dtype, device)
     tokenizer = None
     if load_tokenizer and any((path / f).exists() for f in TOKENIZER_FILES):
-        from engine.tokenizer import Tokenizer
+        from specdec.engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
     seconds = time.perf_counter() - start

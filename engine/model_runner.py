@@ -7,14 +7,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
-from engine.attention.base import AttentionBackend, build_attention_metadata
-from engine.kv_cache import ModelKV
-from engine.models.decoder import DecoderLM
-from engine.sequence import Sequence
+from specdec.engine.attention.base import AttentionBackend, build_attention_metadata
+from specdec.engine.kv_cache import ModelKV
+from specdec.engine.models.decoder import DecoderLM
+from specdec.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.cuda_graphs import GraphedForward
+    from specdec.engine.cuda_graphs import GraphedForward
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 # Purposes: which use of the stream a draw serves. The token at a position is picked by one
-# exponential race shared by the draft and the target (`engine.sampling.sample`).
+# exponential race shared by the draft and the target (`specdec.engine.sampling.sample`).
 TOKEN = 1
 
 _U64 = 1 << 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence, SequenceStatus, SpecStats
+from specdec.engine.sequence import Sequence, SequenceStatus, SpecStats
 
 
 @dataclass
@@ -30,11 +30,13 @@ class RequestOutput:
 class OutputState:
     """Per-sequence detokenizer + stop-string matcher (absent when the engine has no tokenizer)."""
 
-    def __init__(self, seq: Sequence, tokenizer) -> None:  # tokenizer: engine.tokenizer.Tokenizer
+    def __init__(
+        self, seq: Sequence, tokenizer
+    ) -> None:  # tokenizer: specdec.engine.tokenizer.Tokenizer
         self.detok = None
         self.matcher = None
         if tokenizer is not None:
-            from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+            from specdec.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
             self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
             self.matcher = StopStringMatcher(seq.params.stop)

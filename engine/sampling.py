@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from engine import noise
-from engine.sampling_params import SamplingParams
+from specdec.engine import noise
+from specdec.engine.sampling_params import SamplingParams
 
 # Cumulative float32 sums of a large vocabulary are off by a few ulps; a prefix whose mass is
 # within this of top_p counts as having reached it, so exact boundaries behave as written.
@@ -228,7 +227,7 @@ def sample(
     noise.
 
     Row ``b`` with ``seeds[b]`` set races on the counter-based stream keyed by (seed,
-    ``positions[b]``, `engine.noise.TOKEN`): its token is a function of its seed, its position and
+    ``positions[b]``, `specdec.engine.noise.TOKEN`): its token is a function of its seed, its position and
     its distribution alone, whatever else is in the batch or was drawn before. This is the one
     rule every token of a seeded request is picked by: plain decode, the draft's proposals and the
     target's verification (`specdec.rejection_sampler.coupled_verify`). Rows without a seed share

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from specdec.engine.errors import InvalidRequestError
 
 # Upper bound on stop strings / stop ids per request: matching cost grows with their number.
 MAX_STOP_SEQUENCES = 16

@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from engine.block_allocator import BlockAllocator
-from engine.sequence import Sequence, SequenceStatus
+from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.sequence import Sequence, SequenceStatus
 
 # Shortest-prompt-first ages a waiting prompt by this many tokens per second waited, so a long
 # prompt's effective length reaches zero after (its length / rate) seconds and it cannot starve.

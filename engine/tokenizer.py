@@ -16,14 +16,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from engine.errors import (
+from specdec.engine.errors import (
     CorruptModelFileError,
     InvalidRequestError,
     ModelNotFoundError,
     PromptTooLongError,
 )
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 

@@ -9,7 +9,7 @@ Everything is measured side by side in one process on the same converted weights
   rows:     target and draft forward time against the number of query rows (1..16).
 Writes JSON + a markdown table (and a PNG of the rows curve) into --output-dir.
 
-    python -m evals.bench_engine --output-dir docs/results/engine
+    python -m specdec.evals.bench_engine --output-dir docs/results/engine
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import torch
+from specdec.engine.config import EngineConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.sampling_params import SamplingParams
+from specdec.evals.datasets import load_categories, prompt_token_ids
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from evals.datasets import load_categories, prompt_token_ids
 from specdec.controller.policy import FixedPolicy
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -153,8 +153,8 @@ def bench_spec(engine, ngram_engine, hf, prompts, labels, n, ks) -> dict:
 
 
 def bench_rows(runner, max_rows: int = 16, repeats: int = 5) -> dict[int, float]:
-    from engine.model_runner import RunEntry
-    from engine.sequence import Sequence
+    from specdec.engine.model_runner import RunEntry
+    from specdec.engine.sequence import Sequence
 
     alloc_seq = Sequence(-1, "rows", list(range(200 + max_rows)), greedy(1), "off")
     blocks = runner_alloc(runner, alloc_seq)
@@ -210,7 +210,7 @@ def main() -> int:
         EngineConfig(**{**cfg.__dict__, "speculative_method": "ngram", "draft_model": None}),
         target=engine.target,
     )
-    from evals.baselines.hf_generate import HFGenerateBaseline
+    from specdec.evals.baselines.hf_generate import HFGenerateBaseline
 
     hf = HFGenerateBaseline(engine.target.path, engine.draft.path, engine.eos_token_ids)
     tok = engine.tokenizer
@@ -233,7 +233,7 @@ def main() -> int:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "dtype": "float32",
-        "command": "python -m evals.bench_engine "
+        "command": "python -m specdec.evals.bench_engine "
         + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in ("", None)
         ),

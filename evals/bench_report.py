@@ -7,8 +7,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from evals.metrics import RequestRecord
-from evals.plots import plot_latency_percentiles, plot_load_sweep, run_label
+from specdec.evals.metrics import RequestRecord
+from specdec.evals.plots import plot_latency_percentiles, plot_load_sweep, run_label
 
 ROWS: list[tuple[str, str, str | None]] = [
     ("completed", "completed", None),

@@ -9,13 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import httpx
-
-from engine.errors import SpecdecError
-from evals.bench_report import request_dict
-from evals.datasets import Prompt
-from evals.loadgen import LoadSpec, run_load
-from evals.metrics import RequestRecord, aggregate
-from evals.sse_client import RequestSpec, send_request
+from specdec.engine.errors import SpecdecError
+from specdec.evals.bench_report import request_dict
+from specdec.evals.datasets import Prompt
+from specdec.evals.loadgen import LoadSpec, run_load
+from specdec.evals.metrics import RequestRecord, aggregate
+from specdec.evals.sse_client import RequestSpec, send_request
 
 
 class ServerUnreachableError(SpecdecError):

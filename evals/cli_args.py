@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.errors import SpecdecError
+from specdec.engine.errors import SpecdecError
 
 
 class ArgumentError(SpecdecError):

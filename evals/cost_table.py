@@ -59,10 +59,10 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
     import time
 
     import torch
+    from specdec.engine.gpu_sampling import probs_for_rows, sample_from_probs
+    from specdec.engine.sampling import RowContext
+    from specdec.engine.sampling_params import SamplingParams
 
-    from engine.gpu_sampling import probs_for_rows, sample_from_probs
-    from engine.sampling import RowContext
-    from engine.sampling_params import SamplingParams
     from specdec.controller.cost_table import time_forward
 
     def sweep(engine, shapes, context, logits_all: bool) -> list[dict]:

@@ -14,11 +14,11 @@ At one position with target distribution ``p`` and draft distribution ``q``, a d
 
 Two modes:
 
-    python -m evals.coupling_cost synthetic
+    python -m specdec.evals.coupling_cost synthetic
         random pairs over a 1,000-token vocabulary: q is p's logits plus Gaussian noise of
         several scales (the draft's disagreement), p peaked like a language model's.
-    python -m evals.coupling_cost pair --tiny
-    python -m evals.coupling_cost pair --model DIR --draft-model DIR [--temperature T]
+    python -m specdec.evals.coupling_cost pair --tiny
+    python -m specdec.evals.coupling_cost pair --model DIR --draft-model DIR [--temperature T]
         real draft/target distributions: each prompt is decoded plainly by the target (seeded, at
         the temperature), then both models are run over the prompt and that output and both
         rules are computed at every output position from the warped distributions.
@@ -94,17 +94,17 @@ def synthetic(
 
 def real_pair(args: argparse.Namespace) -> dict[str, float]:
     """Both rules at every output position of seeded plain decodes of built-in prompts."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_runner import RunEntry
-    from engine.sampling import RowContext, compute_probs
-    from engine.sampling_params import SamplingParams
-    from engine.sequence import Sequence as Seq
-    from evals.datasets import load_categories, prompt_token_ids
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.llm_engine import LLMEngine
+    from specdec.engine.model_runner import RunEntry
+    from specdec.engine.sampling import RowContext, compute_probs
+    from specdec.engine.sampling_params import SamplingParams
+    from specdec.engine.sequence import Sequence as Seq
+    from specdec.evals.datasets import load_categories, prompt_token_ids
 
     target = draft = None
     if args.tiny:
-        from evals.tiny_pair import tiny_pair
+        from specdec.evals.tiny_pair import tiny_pair
 
         target, draft = tiny_pair()
         models = dict(model="tiny", draft_model="tiny-draft", device="cpu", dtype="float32")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import SpecdecError
+from specdec.engine.errors import SpecdecError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 

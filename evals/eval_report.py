@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from evals.eval_rows import ALL, BaselineRow, EvalReport, PlainRow, SpecRow
-from evals.plots import plot_acceptance_by_position, plot_speedup_by_k
+from specdec.evals.eval_rows import ALL, BaselineRow, EvalReport, PlainRow, SpecRow
+from specdec.evals.plots import plot_acceptance_by_position, plot_speedup_by_k
 
 HEADER = (
     "| configuration | T | tok/s | speedup | speedup (CPU time) | acceptance "

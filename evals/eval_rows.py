@@ -23,12 +23,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sequence import SpecStats
-from evals.runs import ConfigRuns, PromptRun
-from evals.step_timer import StepTotals
+from specdec.engine.sequence import SpecStats
+from specdec.evals.runs import ConfigRuns, PromptRun
+from specdec.evals.step_timer import StepTotals
 
 if TYPE_CHECKING:
-    from evals.greedy_check import Mismatch
+    from specdec.evals.greedy_check import Mismatch
 
 ALL = "all"
 

@@ -16,9 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from evals.datasets import Prompt
-from evals.metrics import RequestRecord
+from specdec.evals.datasets import Prompt
+from specdec.evals.metrics import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from engine.errors import SpecdecError
+from specdec.engine.errors import SpecdecError
 
 # SLO keys -> human name; values are given in milliseconds on the command line.
 SLO_KEYS = {"ttft": "time to first token", "tpot": "time per output token", "e2e": "end-to-end"}

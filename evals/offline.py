@@ -16,13 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.errors import PromptTooLongError
-from engine.sampling_params import SamplingParams
-from evals.datasets import Prompt, limit_per_category, prompt_token_ids
-from evals.eval_rows import BaselineRow, EvalReport, plain_rows, spec_rows
-from evals.greedy_check import compare_greedy
-from evals.runs import ConfigRuns, PromptRun
-from evals.step_timer import StepTimer, StepTotals
+from specdec.engine.errors import PromptTooLongError
+from specdec.engine.sampling_params import SamplingParams
+from specdec.evals.datasets import Prompt, limit_per_category, prompt_token_ids
+from specdec.evals.eval_rows import BaselineRow, EvalReport, plain_rows, spec_rows
+from specdec.evals.greedy_check import compare_greedy
+from specdec.evals.runs import ConfigRuns, PromptRun
+from specdec.evals.step_timer import StepTimer, StepTotals
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +206,8 @@ def run_baselines(
 ) -> list[BaselineRow]:
     """transformers generate, plain and assisted per k, greedy, on the same token ids (the first
     ``settings.baseline_limit`` prompts of each category when set)."""
+    from specdec.evals.eval_rows import baseline_rows
     from tqdm import tqdm
-
-    from evals.eval_rows import baseline_rows
 
     chosen = [ep.prompt for ep in encoded]
     if settings.baseline_limit is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from evals.eval_rows import SpecRow
+    from specdec.evals.eval_rows import SpecRow
 
 
 def _pyplot():

@@ -12,7 +12,7 @@ substitutions:
   shaped so that its probability of the proposed token is the recorded top-1 probability (what a
   draft stop rule reads as confidence);
 - the clock: the engine reads ``SimClock`` for every time it measures, and each fake forward
-  advances it by the cost table's price of that forward (``evals.cost_table.StepCosts``), scaled
+  advances it by the cost table's price of that forward (``specdec.evals.cost_table.StepCosts``), scaled
   by the scenario's slow-downs and lengthened by its stalls.
 
 Acceptance per output position (``replay_request``): at temperature 0 a draft is accepted where the
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from specdec.engine.config import EngineConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.loader import LoadedModel
+from specdec.engine.model_runner import RunEntry
+from specdec.engine.models.arch import ModelArch
+from specdec.engine.sampling_params import SamplingParams
+from specdec.evals.cost_table import StepCosts
+from specdec.evals.traces import RequestTrace
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import LoadedModel
-from engine.model_runner import RunEntry
-from engine.models.arch import ModelArch
-from engine.sampling_params import SamplingParams
-from evals.cost_table import StepCosts
-from evals.traces import RequestTrace
 from specdec.controller.policy import (
     FixedPolicy,
     PrefillShape,

@@ -16,9 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from evals.cost_table import StepCosts
-from evals.replay import (
+from specdec.evals.cost_table import StepCosts
+from specdec.evals.replay import (
     EngineShape,
     Policy,
     PolicyResult,
@@ -28,7 +27,7 @@ from evals.replay import (
     replay_request,
     run_policy,
 )
-from evals.traces import RequestTrace, TraceSet
+from specdec.evals.traces import RequestTrace, TraceSet
 
 CODE_CATEGORIES = ("code_generation", "code_editing")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)

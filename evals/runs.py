@@ -1,12 +1,12 @@
 """What an eval run produces per request and per engine configuration (shared by the runner in
-`evals.offline` and the report rows in `evals.eval_rows`)."""
+`specdec.evals.offline` and the report rows in `specdec.evals.eval_rows`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import SpecStats
-from evals.step_timer import StepTotals
+from specdec.engine.sequence import SpecStats
+from specdec.evals.step_timer import StepTotals
 
 
 @dataclass

@@ -15,9 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-
-from evals.datasets import Prompt
-from evals.metrics import RequestRecord
+from specdec.evals.datasets import Prompt
+from specdec.evals.metrics import RequestRecord
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 ARM_HEADER = "x-specdec-arm"

@@ -7,7 +7,7 @@ everything); a StepTimer reads them between two points of an eval.
 
 from __future__ import annotations
 
-from engine.outputs import StepTotals as EngineStepTotals
+from specdec.engine.outputs import StepTotals as EngineStepTotals
 
 
 class StepTotals(EngineStepTotals):
@@ -27,7 +27,7 @@ class StepTotals(EngineStepTotals):
 class StepTimer:
     """Reads the engine's running step totals (``LLMEngine.step_totals``) in intervals."""
 
-    def __init__(self, engine) -> None:  # engine: engine.llm_engine.LLMEngine
+    def __init__(self, engine) -> None:  # engine: specdec.engine.llm_engine.LLMEngine
         self.engine = engine
         self._start = self._snapshot()
 

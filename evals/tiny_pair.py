@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from engine.loader import LoadedModel
-from engine.models import build_model, model_arch_from_hf_config
+from specdec.engine.loader import LoadedModel
+from specdec.engine.models import build_model, model_arch_from_hf_config
 
 # Output projections of the target's later layers are scaled by this: smaller = higher acceptance
 # (0.05 gives roughly 0.7 greedy and 0.75 sampled acceptance with the sizes below).

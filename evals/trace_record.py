@@ -1,4 +1,4 @@
-"""Record a trace set (``evals.traces``) of a target/draft pair, and the machine's cost table.
+"""Record a trace set (``specdec.evals.traces``) of a target/draft pair, and the machine's cost table.
 
 1. The target generates every request's path on a plain engine (greedy at temperature 0, sampled
    with a per-request seed at temperature 1), batched, one round per temperature. A wrapper around the engine's target runner
@@ -8,7 +8,7 @@
 2. One teacher-forced forward of the draft over prompt + path per request gives the draft's
    top-``TOP_K`` tokens at every output position given the true prefix; the target's probability
    of each is looked up among its stored top tokens (0 below them: far below any acceptance).
-3. The cost table is measured on the same two engines (``evals.cost_table``).
+3. The cost table is measured on the same two engines (``specdec.evals.cost_table``).
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import LoadedModel
-from engine.model_runner import ModelRunner, RunEntry
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence as EngineSeq
-from evals.traces import TOP_K, RequestTrace
+from specdec.engine.config import EngineConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.loader import LoadedModel
+from specdec.engine.model_runner import ModelRunner, RunEntry
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import Sequence as EngineSeq
+from specdec.evals.traces import TOP_K, RequestTrace
 
 logger = logging.getLogger(__name__)
 

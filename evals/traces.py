@@ -8,7 +8,7 @@ A trace set is a directory with two files:
   tokens. Probabilities are float16 at temperature 1 (no top-p/top-k), token ids int32; the
   requests' arrays are concatenated and ``meta.json`` holds each one's offsets.
 - ``meta.json``: the requests (id, category, temperature, seed, lengths, offsets), the pair and
-  how the set was recorded, and the machine's step-cost table (see ``evals.cost_table``).
+  how the set was recorded, and the machine's step-cost table (see ``specdec.evals.cost_table``).
 
 Greedy replay of any chain length is exact from these: a chain of k drafts accepts
 min(k, leading positions where the draft's top-1 equals the target's token).
@@ -110,7 +110,7 @@ def save_traces(directory: str | Path, requests: list[RequestTrace], meta: dict)
 
 def load_traces(directory: str | Path | None = None) -> TraceSet:
     """Read a trace set (the committed one by default)."""
-    from engine.errors import SpecdecError
+    from specdec.engine.errors import SpecdecError
 
     directory = Path(directory) if directory is not None else DEFAULT_TRACES_DIR
     if not (directory / META_FILE).is_file() or not (directory / REQUESTS_FILE).is_file():

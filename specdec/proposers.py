@@ -8,12 +8,12 @@ from typing import Protocol
 
 import torch
 
-from engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_probs
-from engine.model_runner import ModelRunner, RunEntry
-from engine.sampling import RowContext
-from engine.scheduler import ScheduledSeq
 from specdec.controller.policy import DraftStop, keep_drafting
 from specdec.controller.step_cost import ForwardShape
+from specdec.engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_probs
+from specdec.engine.model_runner import ModelRunner, RunEntry
+from specdec.engine.sampling import RowContext
+from specdec.engine.scheduler import ScheduledSeq
 from specdec.ngram import propose_ngram
 
 

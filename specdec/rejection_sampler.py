@@ -28,7 +28,7 @@ when ``p(x) >= q(x) > 0``.
 Seeded and greedy sequences are verified by a coupling instead (`coupled_verify`): the token
 committed at each position is the one the target's distribution picks on its own, so it does not
 depend on the drafts at all. A seeded sequence picks every token by an exponential race on noise
-keyed by (seed, position) (`engine.sampling.sample`); the draft proposes the winner of the same
+keyed by (seed, position) (`specdec.engine.sampling.sample`); the draft proposes the winner of the same
 race on its own distribution (``argmax q/E``, the same ``E``), and a draft is accepted iff it is
 the target's winner (``argmax p/E``). At the first mismatch, or as the bonus, the target's winner
 is emitted. Each committed token is then an exact sample of ``p`` (the race at a position uses
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import sample
+from specdec.engine.sampling import sample
 
 
 @dataclass

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-
-from evals.traces import TOP_K, RequestTrace, TraceSet
+from specdec.evals.traces import TOP_K, RequestTrace, TraceSet
 
 
 def synthetic_trace(

@@ -91,7 +91,7 @@ TINY_ENGINE_ARGS = [
 
 
 class ServerProcess:
-    """`python -m api.cli serve ...` on a free port; ``start`` waits until /health is 200."""
+    """`python -m specdec.api.cli serve ...` on a free port; ``start`` waits until /health is 200."""
 
     def __init__(
         self, model: Path | str, draft: Path | str | None, extra_args: list[str], log_path: Path,
@@ -101,7 +101,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         drafting = ["--draft-model", str(draft)] if draft else ["--speculative-method", "none"]
         self.cmd = [
-            sys.executable, "-m", "api.cli", "--log-level", "WARNING", "serve",
+            sys.executable, "-m", "specdec.api.cli", "--log-level", "WARNING", "serve",
             "--model", str(model), *drafting, "--port", str(self.port),
             *engine_args, *extra_args,
         ]  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from specdec.engine.weights.default_pair import DefaultModel, WheelPart
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -19,8 +20,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-
-from engine.weights.default_pair import DefaultModel, WheelPart
 
 VOCAB = 128
 HIDDEN = 64

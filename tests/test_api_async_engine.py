@@ -6,12 +6,11 @@ import asyncio
 import time
 
 import pytest
+from specdec.api.ab import ArmAssigner
+from specdec.engine.async_engine import AsyncEngine, EngineDeadError, LoopHooks, QueueFullError
+from specdec.engine.errors import InvalidRequestError, PromptTooLongError
+from specdec.engine.sampling_params import SamplingParams
 from tiny_models import make_engine, tiny_hf_model
-
-from api.ab import ArmAssigner
-from engine.async_engine import AsyncEngine, EngineDeadError, LoopHooks, QueueFullError
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 13], [7, 7, 2, 40, 41], [100, 3]]

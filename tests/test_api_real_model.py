@@ -5,8 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 from helpers_server import ServerProcess, start_servers
-
-from engine.weights import COMPLETE_MARKER, specdec_home
+from specdec.engine.weights import COMPLETE_MARKER, specdec_home
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"

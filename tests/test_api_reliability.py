@@ -23,12 +23,11 @@ from helpers_server import (
     start_servers,
 )
 from helpers_tokenizer import IM_END, IM_START
-
-from api.json_text import dumps
-from api.middleware import UnhandledErrorMiddleware
-from engine.tokenizer import Tokenizer
-from evals.datasets import Prompt
-from evals.sse_client import RequestSpec, send_request
+from specdec.api.json_text import dumps
+from specdec.api.middleware import UnhandledErrorMiddleware
+from specdec.engine.tokenizer import Tokenizer
+from specdec.evals.datasets import Prompt
+from specdec.evals.sse_client import RequestSpec, send_request
 
 MODEL = "script"
 CHAT = "/v1/chat/completions"

@@ -19,8 +19,7 @@ from helpers_server import (
     start_servers,
 )
 from helpers_tokenizer import build_byte_level_tokenizer
-
-from engine.tokenizer import Tokenizer
+from specdec.engine.tokenizer import Tokenizer
 
 MODEL = "script"  # the basename of the model directory
 MESSAGES = [{"role": "user", "content": "Say hi."}]

@@ -8,10 +8,9 @@ import threading
 
 import pytest
 from helpers_tokenizer import build_byte_level_tokenizer
-
-from api.tokenization import PromptTokenizer
-from engine.errors import PromptTooLongError
-from engine.tokenizer import Tokenizer
+from specdec.api.tokenization import PromptTokenizer
+from specdec.engine.errors import PromptTooLongError
+from specdec.engine.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 64
 

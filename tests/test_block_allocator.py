@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.block_allocator import BlockAllocator, NoFreeBlocksError
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from specdec.engine.block_allocator import BlockAllocator, NoFreeBlocksError
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import Sequence
 
 PAGE = 4
 
@@ -104,7 +103,7 @@ def run_ops(ops, prefix_caching: bool, vocab: int) -> None:
 def test_the_prefix_check_catches_a_key_that_ignores_the_parent(monkeypatch):
     """Negative control for the property above: with a key of the block's own tokens only, a
     block computed after another prefix is served, and the check says so."""
-    import engine.block_allocator as ba
+    import specdec.engine.block_allocator as ba
 
     # Vocabulary 3: sequence 0 is [0 1 2 0 | 2 0 1 2 | 0] once grown by 5 and computed;
     # sequence 1 is [1 2 0 1 | 2 0 1 2 | 0], sequence 2 starts [2 0 1 2 | ...]: the tokens of

@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 
 def specdec(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", "--log-level", "WARNING", *args],
+        [sys.executable, "-m", "specdec.api.cli", "--log-level", "WARNING", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 

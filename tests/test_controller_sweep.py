@@ -7,12 +7,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
-from engine.sequence import SpecStats
-from evals.controller_sweep import sweep as bench
-from evals.controller_sweep.report import check_targets, merge_results, round_ratios
-from evals.controller_sweep.report import main as report_main
-from evals.controller_sweep.sweep import (
+from specdec.engine.sequence import SpecStats
+from specdec.evals.controller_sweep import sweep as bench
+from specdec.evals.controller_sweep.report import check_targets, merge_results, round_ratios
+from specdec.evals.controller_sweep.report import main as report_main
+from specdec.evals.controller_sweep.sweep import (
     ARMS,
     ArmResult,
     main,
@@ -219,7 +218,7 @@ def _part(
     workload: str, concurrency: list[int], repeats: int = 3, in_turn: bool | None = True
 ) -> dict:
     meta = dict(
-        command=f"python -m evals.controller_sweep.sweep --workloads {workload}",
+        command=f"python -m specdec.evals.controller_sweep.sweep --workloads {workload}",
         model="t", draft_model="d", max_tokens=64, repeats=repeats,
         concurrency=concurrency, total_seconds=100.0, controller_final={"mean_k": 1.0},
     )  # fmt: skip
@@ -248,7 +247,9 @@ def test_parts_of_a_sweep_merge_into_one_report(tmp_path) -> None:
     assert merged["meta"]["total_seconds"] == 200.0 and merged["meta"]["concurrency"] == [1, 4, 16]
     assert "controller_final" not in merged["meta"]
     md = (tmp_path / "all.md").read_text()
-    assert "--workloads code`; `python -m evals.controller_sweep.sweep --workloads open" in md
+    assert (
+        "--workloads code`; `python -m specdec.evals.controller_sweep.sweep --workloads open" in md
+    )
     assert "## code" in md and "## open" in md and "A✓ B✓" in md
     assert "the engines stepping in turn" in md
     assert (tmp_path / "all.png").stat().st_size > 0

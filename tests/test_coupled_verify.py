@@ -4,7 +4,7 @@ The harness of ``test_rejection_sampler`` (first-order Markov target and draft c
 vocabulary, random draft counts 0..K per step, NaN padding) runs here with seeded requests: trial
 ``i`` is a request with its own seed, every token it emits lies at an absolute position, the draft
 proposes by the exponential race on the noise of (seed, position), and the target verifies through
-`engine.gpu_sampling.verify_drafts`. The committed tokens must follow the target chain exactly
+`specdec.engine.gpu_sampling.verify_drafts`. The committed tokens must follow the target chain exactly
 (chi-square), two deliberately wrong couplings must fail the same check, and every trial's tokens
 must equal those of plain decode with the same seed whatever the draft counts and the draft.
 """
@@ -15,6 +15,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from specdec.engine import noise
+from specdec.engine.gpu_sampling import TorchKernels, verify_drafts
+from specdec.engine.sampling import sample
 from test_rejection_sampler import (
     NUM_TOKENS,
     P_THRESHOLD,
@@ -26,9 +29,6 @@ from test_rejection_sampler import (
     make_chains,
 )
 
-from engine import noise
-from engine.gpu_sampling import TorchKernels, verify_drafts
-from engine.sampling import sample
 from specdec.rejection_sampler import RejectionResult, coupled_verify
 
 # (target_probs [T, K+1, V], drafts [T, K], n [T], seeds, positions of row 0) -> result
@@ -196,7 +196,7 @@ def test_committed_tokens_equal_plain_decode_for_any_drafts() -> None:
 def test_acceptance_is_the_chance_both_races_agree() -> None:
     """One draft per trial: the acceptance rate equals P(argmax q/E == argmax p/E), computed
     exactly, which is below the rejection rule's sum(min(p, q))."""
-    from evals.coupling_cost import coupled_acceptance, rejection_acceptance
+    from specdec.evals.coupling_cost import coupled_acceptance, rejection_acceptance
 
     p, q = make_chains(4)
     trials = TRIALS

@@ -18,9 +18,8 @@ from helpers_tokenizer import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.tokenizer import Tokenizer
+from specdec.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from specdec.engine.tokenizer import Tokenizer
 
 FFFD = "\ufffd"
 # The default pair shares one tokenizer; the target is the one named in the brief, the draft is

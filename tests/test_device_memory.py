@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_engine, tiny_hf_model
-
-from engine.attention.flashinfer_backend import WORKSPACE_BYTES
-from engine.cuda_graphs import batch_buckets
-from engine.device_memory import (
+from specdec.engine.attention.flashinfer_backend import WORKSPACE_BYTES
+from specdec.engine.cuda_graphs import batch_buckets
+from specdec.engine.device_memory import (
     FLASHINFER_INT_WORKSPACE_BYTES,
     RuntimeShapes,
     activation_bytes,
     logits_bytes,
     runtime_bytes,
 )
-from engine.kv_cache import GIB, bytes_per_block
-from engine.llm_engine import DRAFT_Q_LENS, LLMEngine
-from evals.gpu_check_models import arch_for
+from specdec.engine.kv_cache import GIB, bytes_per_block
+from specdec.engine.llm_engine import DRAFT_Q_LENS, LLMEngine
+from specdec.evals.gpu_check.models import arch_for
+from tiny_models import make_engine, tiny_hf_model
 
 MIB = 1024 * 1024
 QWEN_7B = arch_for("7b")  # hidden 3584, 28 q / 4 kv heads of 128, intermediate 18944

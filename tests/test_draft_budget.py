@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+from specdec.engine.model_runner import ModelRunner
+from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import expected
 from tiny_models import make_engine
-
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
 
 BUDGET = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -147,7 +146,7 @@ def test_draft_kv_of_cached_blocks_is_valid_only_where_the_draft_computed_it(
 
 def _prefix_hashes(engine, prompt: list[int]) -> list:
     """The block hashes a sequence with this prompt would look up, via the allocator itself."""
-    from engine.sequence import Sequence
+    from specdec.engine.sequence import Sequence
 
     probe = Sequence(-1, "probe", prompt + [0], GREEDY, "off")
     engine.allocator.match_prefix(probe)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from specdec.engine.config import EngineConfig
+from specdec.engine.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from specdec.engine.sampling_params import SamplingParams
 from tiny_models import make_engine, tiny_hf_model
-
-from engine.config import EngineConfig
-from engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError, PromptTooLongError
-from engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +134,7 @@ def test_kv_pool_too_small_for_max_model_len():
 
 
 def test_unknown_model_name_or_path(tmp_path):
-    from engine.llm_engine import LLMEngine
+    from specdec.engine.llm_engine import LLMEngine
 
     with pytest.raises(ModelNotFoundError):
         LLMEngine(

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.engine.sampling_params import SamplingParams
 from tiny_models import hf_greedy, make_engine, tiny_hf_model
-
-from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -7,12 +7,11 @@ import json
 
 import pytest
 from helpers_server import ServerProcess, build_script_model, free_port, start_servers
-
-from api.cli import main as cli_main
-from evals.bench_runner import ServerUnreachableError
-from evals.commands import bench as bench_command
-from evals.datasets import DatasetError
-from evals.metrics import SLOParseError
+from specdec.api.cli import main as cli_main
+from specdec.evals.bench_runner import ServerUnreachableError
+from specdec.evals.commands import bench as bench_command
+from specdec.evals.datasets import DatasetError
+from specdec.evals.metrics import SLOParseError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from engine import noise
-from evals.coupling_cost import coupled_acceptance, rejection_acceptance, synthetic
+from specdec.engine import noise
+from specdec.evals.coupling_cost import coupled_acceptance, rejection_acceptance, synthetic
 
 
 def random_pairs(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,14 +6,13 @@ import argparse
 import json
 
 import pytest
+from specdec.api.cli import main as cli_main
+from specdec.engine.errors import SpecdecError
+from specdec.evals.commands import eval as eval_command
+from specdec.evals.datasets import Prompt
+from specdec.evals.eval_report import write_eval_outputs
+from specdec.evals.offline import EvalSettings, evaluate
 from tiny_models import make_engine, tiny_hf_model
-
-from api.cli import main as cli_main
-from engine.errors import SpecdecError
-from evals.commands import eval as eval_command
-from evals.datasets import Prompt
-from evals.eval_report import write_eval_outputs
-from evals.offline import EvalSettings, evaluate
 
 PROMPTS = [
     Prompt("m1", "math", text="What is 12 + 7? Answer with one number."),

@@ -7,9 +7,8 @@ import math
 
 import numpy as np
 import pytest
-
-from evals.bench_runner import choose_arms, select_prompts
-from evals.datasets import (
+from specdec.evals.bench_runner import choose_arms, select_prompts
+from specdec.evals.datasets import (
     CATEGORIES,
     DatasetError,
     Prompt,
@@ -17,9 +16,9 @@ from evals.datasets import (
     load_prompt_file,
     parse_categories,
 )
-from evals.greedy_check import compare_greedy, first_difference
-from evals.loadgen import arrival_offsets
-from evals.metrics import (
+from specdec.evals.greedy_check import compare_greedy, first_difference
+from specdec.evals.loadgen import arrival_offsets
+from specdec.evals.metrics import (
     RequestRecord,
     SLOParseError,
     aggregate,

@@ -17,17 +17,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
-
-from engine.attention import create_backend, selection
-from engine.attention.base import build_attention_metadata
-from engine.attention.flashinfer_backend import (
+from specdec.engine.attention import create_backend, selection
+from specdec.engine.attention.base import build_attention_metadata
+from specdec.engine.attention.flashinfer_backend import (
     FlashInferAttentionBackend,
     build_flashinfer_indices,
 )
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.cuda_graphs import batch_buckets, graph_bucket, pad_graph_batch
-from engine.errors import ConfigError
-from engine.gpu_sampling import (
+from specdec.engine.attention.torch_backend import TorchAttentionBackend
+from specdec.engine.cuda_graphs import batch_buckets, graph_bucket, pad_graph_batch
+from specdec.engine.errors import ConfigError
+from specdec.engine.gpu_sampling import (
     TorchKernels,
     flashinfer_sampling_kernels,
     probs_for_rows,
@@ -35,8 +34,8 @@ from engine.gpu_sampling import (
     verify_drafts,
     warp_probs,
 )
-from engine.sampling import RowContext, compute_probs
-from engine.sampling_params import SamplingParams
+from specdec.engine.sampling import RowContext, compute_probs
+from specdec.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 # (page_size, q_lens, kv_lens): prompt chunks (first and mid-prompt), decodes, k+1-row verifies,
@@ -168,7 +167,7 @@ def test_broken_flashinfer_falls_back_with_one_log_line(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # "installed" but fails to import
     cuda = torch.device("cuda")
-    with caplog.at_level(logging.INFO, logger="engine.attention.selection"):
+    with caplog.at_level(logging.INFO, logger="specdec.engine.attention.selection"):
         backend = create_backend("auto", 4, 2, 16, cuda)
         create_backend("auto", 4, 2, 16, cuda)  # cached: no second self-test, no second line
     assert backend.name == "torch"
@@ -179,7 +178,7 @@ def test_broken_flashinfer_falls_back_with_one_log_line(
 
 
 def test_failed_self_test_falls_back(fresh_selection, monkeypatch) -> None:
-    from engine.attention import flashinfer_backend
+    from specdec.engine.attention import flashinfer_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(flashinfer_backend, "self_test", lambda device: False)
@@ -437,10 +436,9 @@ def test_flashinfer_sampling_matches_torch_kernels() -> None:
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_torch_backend() -> None:
     pytest.importorskip("flashinfer")
+    from specdec.engine.cuda_graphs import GraphedForward
+    from specdec.engine.kv_cache import allocate_model_kv
     from tiny_models import loaded_from_hf, tiny_hf_model
-
-    from engine.cuda_graphs import GraphedForward
-    from engine.kv_cache import allocate_model_kv
 
     dev, dtype, page = torch.device("cuda"), torch.bfloat16, 4
     loaded = loaded_from_hf(tiny_hf_model(seed=5, hidden=256, heads=4, kv_heads=2), dtype, "cuda")
@@ -512,7 +510,7 @@ def test_engine_with_cuda_graphs_matches_eager_engine_and_frees_every_block() ->
 
 
 def test_fused_ops_are_off_on_cpu() -> None:
-    from engine.models.fused_ops import probe_fused_ops
+    from specdec.engine.models.fused_ops import probe_fused_ops
 
     assert probe_fused_ops(CPU, torch.bfloat16) is None
 
@@ -520,9 +518,8 @@ def test_fused_ops_are_off_on_cpu() -> None:
 @pytest.mark.gpu
 def test_fused_ops_probe_passes_and_the_engine_uses_them() -> None:
     pytest.importorskip("flashinfer")
+    from specdec.engine.models.fused_ops import probe_fused_ops
     from tiny_models import make_engine, tiny_hf_model
-
-    from engine.models.fused_ops import probe_fused_ops
 
     assert probe_fused_ops(torch.device("cuda"), torch.bfloat16) is not None
     engine = make_engine(
@@ -540,7 +537,7 @@ def test_fused_ops_probe_passes_and_the_engine_uses_them() -> None:
 def _smoke(tmp_path, *extra: str) -> dict:
     import json
 
-    from evals.gpu_check import main
+    from specdec.evals.gpu_check.check import main
 
     assert main([str(tmp_path), "--cpu-smoke", *extra]) == 0
     (path,) = tmp_path.glob("gpu_check_*_cpu.json")

@@ -1,21 +1,30 @@
-"""One-way layers: no module of the project imports, directly or through others, itself."""
+"""One-way layers: no module of the project imports, directly or through others, itself; and the
+package folders install as one `specdec` namespace."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("specdec", "engine", "api", "evals")
+# Source folder -> the package it installs as (pyproject.toml's package-dir).
+PACKAGES = {
+    "specdec": "specdec",
+    "engine": "specdec.engine",
+    "api": "specdec.api",
+    "evals": "specdec.evals",
+}
+
+
+def _package_name(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join([PACKAGES[folder], *rest]).removesuffix(".__init__")
 
 
 def _modules() -> dict[str, Path]:
-    mods = {}
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            mods[name.removesuffix(".__init__")] = path
-    return mods
+    return {_package_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -89,5 +98,39 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_speculation_core_knows_nothing_of_http_or_evals():
     graph = import_graph()
     for mod, deps in graph.items():
-        if mod.startswith(("specdec", "engine")):
-            assert not any(d.startswith(("api", "evals")) for d in deps), (mod, deps)
+        if not mod.startswith(("specdec.api", "specdec.evals")):
+            assert not any(d.startswith(("specdec.api", "specdec.evals")) for d in deps), (
+                mod,
+                deps,
+            )
+
+
+def test_every_package_folder_is_installed_under_the_namespace():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {pkg: folder for folder, pkg in PACKAGES.items()}
+    folders = {
+        _package_name(p.parent / "__init__.py")
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*.py")
+    }
+    assert folders <= set(setuptools["packages"]), folders - set(setuptools["packages"])
+
+
+def test_nothing_is_imported_by_its_folder_name():
+    """`engine`, `api` and `evals` are not top-level packages once installed."""
+    bare = {
+        (mod, name)
+        for mod, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in _imported_names(node)
+        if name.split(".")[0] in ("engine", "api", "evals")
+    }
+    assert bare == set()
+
+
+def _imported_names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module]
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return []

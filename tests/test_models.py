@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.engine.attention import build_attention_metadata, create_backend
+from specdec.engine.kv_cache import allocate_model_kv
 from tiny_models import loaded_from_hf, tiny_hf_model
-
-from engine.attention import build_attention_metadata, create_backend
-from engine.kv_cache import allocate_model_kv
 
 TOL = 1e-4
 VARIANTS = [
@@ -128,7 +127,7 @@ def test_bad_block_table_is_rejected():
 
 
 class InPlaceOps:
-    """A torch stand-in for `engine.models.fused_ops.FusedOps` with the kernels' in-place
+    """A torch stand-in for `specdec.engine.models.fused_ops.FusedOps` with the kernels' in-place
     contract (fused add-norm overwrites both inputs, rope rotates q and k where they are), so
     the decoder's use of the fused path is checked on the CPU: a layer that read a tensor after
     handing it to a kernel would see it overwritten here as on the GPU."""
@@ -184,7 +183,7 @@ def test_fused_ops_path_matches_the_torch_layers(family, kw):
 
 
 class StubGraphs:
-    """Stands in for `engine.cuda_graphs.GraphedForward` (CUDA only): one captured bucket of
+    """Stands in for `specdec.engine.cuda_graphs.GraphedForward` (CUDA only): one captured bucket of
     four one-token sequences, returning a fixed buffer it overwrites on every replay."""
 
     def __init__(self, vocab: int) -> None:
@@ -192,7 +191,7 @@ class StubGraphs:
         self.calls: list[list[list[int]]] = []
 
     def accepts(self, entries) -> bool:
-        from engine.cuda_graphs import graph_bucket
+        from specdec.engine.cuda_graphs import graph_bucket
 
         return graph_bucket(entries, [(4, 1)], max_tokens_per_seq=64) is not None
 
@@ -205,7 +204,7 @@ class StubGraphs:
 def test_runner_replays_graphs_only_for_batches_that_fit_and_copies_their_logits():
     from types import SimpleNamespace
 
-    from engine.model_runner import ModelRunner, RunEntry
+    from specdec.engine.model_runner import ModelRunner, RunEntry
 
     paged = PagedModel(tiny_hf_model("qwen2", seed=2))
     stub = StubGraphs(paged.lm.arch.vocab_size)

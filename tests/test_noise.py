@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy import stats
-
-from engine import noise
+from specdec.engine import noise
 
 M64 = (1 << 64) - 1
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import Sequence
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from specdec.controller.estimates import (
     AcceptanceModel,
     ConfidenceBins,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from specdec.engine.sampling_params import SamplingParams
 from tiny_models import make_engine, tiny_hf_model
 
-from engine.sampling_params import SamplingParams
 from specdec.controller import AdaptivePolicy, FixedPolicy
 from specdec.controller import policy as policy_module
 from specdec.controller.policy import PrefillShape, SpecDecision, StepObservation

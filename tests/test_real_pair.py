@@ -6,9 +6,8 @@ import gc
 
 import pytest
 import torch
-
-from engine.config import EngineConfig
-from engine.weights import COMPLETE_MARKER, specdec_home
+from specdec.engine.config import EngineConfig
+from specdec.engine.weights import COMPLETE_MARKER, specdec_home
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -31,7 +30,7 @@ def model_dir(name: str):
 
 
 def engine_for(target: str, draft: str | None, **kw):
-    from engine.llm_engine import LLMEngine
+    from specdec.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(
         model=str(model_dir(target)),
@@ -48,7 +47,7 @@ def engine_for(target: str, draft: str | None, **kw):
 
 
 def greedy(n: int):
-    from engine.sampling_params import SamplingParams
+    from specdec.engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from scipy import stats
+from specdec.engine.sampling import sample
 
-from engine.sampling import sample
 from specdec.rejection_sampler import RejectionResult, rejection_sample
 
 VOCAB = 8

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers_replay import linear_cost_table, synthetic_trace, synthetic_trace_set
-
-from evals.cost_table import StepCosts
-from evals.replay import (
+from specdec.evals.cost_table import StepCosts
+from specdec.evals.replay import (
     MAX_K,
     EngineShape,
     OraclePolicy,
@@ -19,8 +18,9 @@ from evals.replay import (
     replay_request,
     run_policy,
 )
-from evals.replay_suite import Scenario, default_scenarios, run_suite, to_json, to_markdown
-from evals.traces import load_traces, save_traces
+from specdec.evals.replay_suite import Scenario, default_scenarios, run_suite, to_json, to_markdown
+from specdec.evals.traces import load_traces, save_traces
+
 from specdec.controller.policy import FixedPolicy
 
 COSTS = StepCosts(linear_cost_table())
@@ -96,7 +96,7 @@ def test_adaptive_is_the_engines_own_policy_calibrated_on_simulated_time():
 
 
 def test_no_kv_leak_even_when_the_pool_forces_preemption(monkeypatch):
-    from engine.scheduler import Scheduler
+    from specdec.engine.scheduler import Scheduler
 
     preempted = []
     real_preempt = Scheduler._preempt
@@ -117,7 +117,7 @@ def test_no_kv_leak_even_when_the_pool_forces_preemption(monkeypatch):
 
 
 def test_leaked_block_is_reported(monkeypatch):
-    from engine.block_allocator import BlockAllocator
+    from specdec.engine.block_allocator import BlockAllocator
 
     real_free = BlockAllocator.free
 
@@ -227,7 +227,7 @@ def test_a_scenario_without_requests_for_its_workload_is_an_error():
 
 
 def test_missing_trace_set_is_a_clear_error(tmp_path):
-    from engine.errors import SpecdecError
+    from specdec.engine.errors import SpecdecError
 
     with pytest.raises(SpecdecError, match="no trace set"):
         load_traces(tmp_path)
@@ -238,7 +238,7 @@ def test_scenario_type_is_public():
 
 
 def test_replay_command_writes_identical_files_twice(tmp_path, capsys):
-    from api.cli import main
+    from specdec.api.cli import main
 
     ts = synthetic_trace_set()
     save_traces(tmp_path / "t", ts.requests, ts.meta)
@@ -258,7 +258,7 @@ def test_replay_command_writes_identical_files_twice(tmp_path, capsys):
 
 
 def test_replay_command_rejects_unknown_names(tmp_path, capsys):
-    from api.cli import main
+    from specdec.api.cli import main
 
     ts = synthetic_trace_set()
     save_traces(tmp_path / "t", ts.requests, ts.meta)
@@ -269,7 +269,7 @@ def test_replay_command_rejects_unknown_names(tmp_path, capsys):
 
 
 def test_committed_trace_set_covers_every_category_and_replays():
-    from evals.datasets import CATEGORIES
+    from specdec.evals.datasets import CATEGORIES
 
     traces = load_traces()
     seen = {(t.category, t.temperature) for t in traces.requests}

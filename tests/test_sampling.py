@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 from scipy import stats
-
-from engine.sampling import RowContext, compute_probs, sample
-from engine.sampling_params import SamplingParams
+from specdec.engine.sampling import RowContext, compute_probs, sample
+from specdec.engine.sampling_params import SamplingParams
 
 
 def probs_of(logits: list[float], params: SamplingParams, prompt=(), output=()) -> torch.Tensor:

@@ -7,11 +7,10 @@ import re
 
 import pytest
 import torch
+from specdec.engine.errors import InvalidRequestError
+from specdec.engine.sampling import RowContext, compute_probs
+from specdec.engine.sampling_params import BOUNDS, MAX_STOP_SEQUENCES, SamplingParams
 from tiny_models import make_engine, tiny_hf_model
-
-from engine.errors import InvalidRequestError
-from engine.sampling import RowContext, compute_probs
-from engine.sampling_params import BOUNDS, MAX_STOP_SEQUENCES, SamplingParams
 
 # (parameter, accepted values, refused values): the documented edges and just past them.
 RANGES = [

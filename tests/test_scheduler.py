@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.block_allocator import BlockAllocator
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, page=4, max_seqs=8, budget=32, max_len=200, policy="fcfs"):

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.engine.gpu_sampling import TorchKernels
+from specdec.engine.sampling_params import SamplingParams
 from tiny_models import make_engine, noisy_copy
-
-from engine.gpu_sampling import TorchKernels
-from engine.sampling_params import SamplingParams
 
 TOKENS = 24
 PROMPT = [5, 9, 33, 2, 17, 80, 44, 5, 9, 33, 2, 17]  # repeats itself: n-gram lookups find drafts

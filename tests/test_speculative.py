@@ -6,11 +6,10 @@ import collections
 
 import pytest
 import torch
+from specdec.engine.errors import ConfigError, InvalidRequestError
+from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import expected, prompts, run_staggered
 from tiny_models import make_engine, tiny_hf_model
-
-from engine.errors import ConfigError, InvalidRequestError
-from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -211,7 +210,7 @@ def test_sampled_speculative_output_follows_the_target_distribution():
     def run(mode, always_accept=False):
         engine = many_sequences_engine(tgt, drf, mode)
         if always_accept:
-            import engine.llm_engine as le
+            import specdec.engine.llm_engine as le
 
             original = le.verify_drafts
 

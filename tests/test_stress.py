@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from specdec.engine.sampling_params import SamplingParams
 from test_draft_budget import record_plans, record_rows
 from tiny_models import make_engine, noisy_copy
-
-from engine.sampling_params import SamplingParams
 
 EOS = 1  # the tiny models' eos id
 MAX_TOKENS = 16

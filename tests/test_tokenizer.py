@@ -15,9 +15,8 @@ from helpers_tokenizer import (
     build_byte_level_tokenizer,
     save_tokenizer_dir,
 )
-
-from engine.errors import CorruptModelFileError, InvalidRequestError, ModelNotFoundError
-from engine.tokenizer import Tokenizer, validate_chat_messages
+from specdec.engine.errors import CorruptModelFileError, InvalidRequestError, ModelNotFoundError
+from specdec.engine.tokenizer import Tokenizer, validate_chat_messages
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +289,7 @@ def test_composition_shrinks_text_at_most_fourfold() -> None:
     import sys
     import unicodedata
 
-    from engine.tokenizer import _MAX_COMPOSED
+    from specdec.engine.tokenizer import _MAX_COMPOSED
 
     longest = max(
         len(unicodedata.normalize("NFD", chr(c)))
@@ -301,7 +300,7 @@ def test_composition_shrinks_text_at_most_fourfold() -> None:
 
 
 def test_pipelines_that_drop_text_give_no_bound() -> None:
-    from engine.tokenizer import chars_per_token_bound
+    from specdec.engine.tokenizer import chars_per_token_bound
 
     byte_level = {
         "model": {"type": "BPE", "vocab": {"abc": 0}},

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from engine.sampling_params import SamplingParams
-from evals.tiny_pair import tiny_pair
-from evals.trace_record import plain_engine, record_requests
-from evals.traces import load_traces, save_traces
+from specdec.engine.sampling_params import SamplingParams
+from specdec.evals.tiny_pair import tiny_pair
+from specdec.evals.trace_record import plain_engine, record_requests
+from specdec.evals.traces import load_traces, save_traces
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import specdec.engine.weights.gguf_file as gguf_file
+import specdec.engine.weights.resolve as resolve_module
 import torch
 from helpers_weights import (
     HEADS,
@@ -25,12 +27,8 @@ from helpers_weights import (
     write_unsupported_gguf,
 )
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import engine.weights.gguf_file as gguf_file
-import engine.weights.resolve as resolve_module
-from engine.errors import CorruptModelFileError, ModelNotFoundError
-from engine.weights import (
+from specdec.engine.errors import CorruptModelFileError, ModelNotFoundError
+from specdec.engine.weights import (
     COMPLETE_MARKER,
     DefaultModel,
     WheelPart,
@@ -43,6 +41,7 @@ from engine.weights import (
     pull,
     resolve_model,
 )
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -408,7 +407,7 @@ def test_resolve_gguf_converts_once(tmp_path, monkeypatch):
 
 
 def test_registry_matches_the_published_wheels():
-    from engine.weights import DEFAULT_MODELS, default_model_names
+    from specdec.engine.weights import DEFAULT_MODELS, default_model_names
 
     assert default_model_names() == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
     target, draft = DEFAULT_MODELS.values()

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from specdec.engine.config import EngineConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.loader import LoadedModel
+from specdec.engine.models import build_model, model_arch_from_hf_config
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import LoadedModel
-from engine.models import build_model, model_arch_from_hf_config
 
 
 def tiny_hf_model(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from api.engine_args import add_engine_arguments, config_from_args
-from engine.sampling_params import SamplingParams
+from specdec.api.engine_args import add_engine_arguments, config_from_args
+from specdec.engine.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
+    from specdec.engine.llm_engine import LLMEngine
 
     params = SamplingParams(
         temperature=args.temperature,

@@ -11,7 +11,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.weights import default_model_names, pull
+    from specdec.engine.weights import default_model_names, pull
 
     if args.list:
         for name in default_model_names():

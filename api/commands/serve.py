@@ -6,8 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from api.engine_args import add_engine_arguments, config_from_args
-from api.settings import (
+from specdec.api.engine_args import add_engine_arguments, config_from_args
+from specdec.api.settings import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -15,8 +15,8 @@ from api.settings import (
     DEFAULT_REQUEST_TIMEOUT_S,
     ServerSettings,
 )
-from engine.config import EngineConfig
-from engine.errors import ConfigError
+from specdec.engine.config import EngineConfig
+from specdec.engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +117,10 @@ def settings_from_args(args: argparse.Namespace, config: EngineConfig) -> Server
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from api.app import create_app
-    from api.slow_clients import header_timeout_protocol
-    from engine.async_engine import AsyncEngine, loop_hooks_from_env
-    from engine.llm_engine import LLMEngine
+    from specdec.api.app import create_app
+    from specdec.api.slow_clients import header_timeout_protocol
+    from specdec.engine.async_engine import AsyncEngine, loop_hooks_from_env
+    from specdec.engine.llm_engine import LLMEngine
 
     config = config_from_args(args)
     settings = settings_from_args(args, config)  # refuse bad server flags before loading models

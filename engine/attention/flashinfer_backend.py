@@ -37,14 +37,13 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
-
-from engine.attention.base import (
+from specdec.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     build_attention_metadata,
     write_kv,
 )
-from engine.errors import ConfigError
+from specdec.engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +305,7 @@ def self_test(
     Raises whatever FlashInfer raises (missing package, JIT failure); the caller turns that
     into a fallback. The first call JIT-compiles FlashInfer's kernels for this dtype/head_dim.
     """
-    from engine.attention.torch_backend import TorchAttentionBackend
+    from specdec.engine.attention.torch_backend import TorchAttentionBackend
 
     page_size = 16
     fi = FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, device)

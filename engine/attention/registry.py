@@ -8,8 +8,7 @@ import logging
 from collections.abc import Callable
 
 import torch
-
-from engine.attention.base import AttentionBackend
+from specdec.engine.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +18,10 @@ def _lazy(module: str, name: str) -> Callable[[], type[AttentionBackend]]:
 
 
 _BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
-    "torch": _lazy("engine.attention.torch_backend", "TorchAttentionBackend"),
-    "flashinfer": _lazy("engine.attention.flashinfer_backend", "FlashInferAttentionBackend"),
+    "torch": _lazy("specdec.engine.attention.torch_backend", "TorchAttentionBackend"),
+    "flashinfer": _lazy(
+        "specdec.engine.attention.flashinfer_backend", "FlashInferAttentionBackend"
+    ),
 }
 
 
@@ -35,7 +36,7 @@ def create_backend(
     if name == "auto":
         name = "torch"
         if device.type == "cuda":
-            from engine.attention.selection import flashinfer_usable
+            from specdec.engine.attention.selection import flashinfer_usable
 
             if flashinfer_usable(device):
                 name = "flashinfer"

@@ -40,7 +40,7 @@ def _check(device: torch.device) -> tuple[bool, str]:
         return False, "no CUDA device"
     try:
         # Importing the backend module registers it; flashinfer itself is imported by the test.
-        from engine.attention import flashinfer_backend
+        from specdec.engine.attention import flashinfer_backend
 
         start = time.perf_counter()
         ok = flashinfer_backend.self_test(device)

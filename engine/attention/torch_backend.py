@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from specdec.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ConfigError
+from specdec.engine.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from specdec.engine.attention.base import AttentionBackend, AttentionMetadata
+from specdec.engine.models.arch import ModelArch
+from specdec.engine.models.fused_ops import FusedOps
+from specdec.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from torch import nn
-
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.models.arch import ModelArch
-from engine.models.fused_ops import FusedOps
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class Attention(nn.Module):

@@ -20,8 +20,7 @@ import logging
 from typing import Any
 
 import torch
-
-from engine.models.layers import RMSNorm, RotaryEmbedding
+from specdec.engine.models.layers import RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Building blocks shared by the model families: linear, RMSNorm, rotary embedding, SwiGLU.
 
 RMSNorm, RotaryEmbedding and SwiGLU hold an ``ops`` slot: None runs the torch code below (the
-reference, and the CPU path); an `ElementwiseOps` (`engine.models.fused_ops.FusedOps`, FlashInfer's
+reference, and the CPU path); an `ElementwiseOps` (`specdec.engine.models.fused_ops.FusedOps`, FlashInfer's
 fused kernels) runs instead (`DecoderLM.use_fused_ops`).
 """
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-
-from engine.models.arch import ModelArch, model_arch_from_hf_config
-from engine.models.decoder import DecoderLM
+from specdec.engine.models.arch import ModelArch, model_arch_from_hf_config
+from specdec.engine.models.decoder import DecoderLM
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen2ForCausalLM": DecoderLM,

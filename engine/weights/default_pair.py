@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from specdec.engine.errors import CorruptModelFileError, ModelNotFoundError
+from specdec.engine.weights.cache import cache_lock, is_complete, specdec_home
+from specdec.engine.weights.convert import convert_gguf_to_hf_dir, remove_stale_builds
 from tqdm.auto import tqdm
-
-from engine.errors import CorruptModelFileError, ModelNotFoundError
-from engine.weights.cache import cache_lock, is_complete, specdec_home
-from engine.weights.convert import convert_gguf_to_hf_dir, remove_stale_builds
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from engine.errors import ModelNotFoundError
+from specdec.engine.errors import ModelNotFoundError
 
 # Looks up one metadata value by its full key; returns the default when the key is absent.
 MetadataGetter = Callable[[str, Any], Any]

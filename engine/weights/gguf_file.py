@@ -18,9 +18,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, TokenType
 from gguf.quants import dequantize
-
-from engine.errors import CorruptModelFileError, ModelNotFoundError
-from engine.weights.gguf_config import ArchSpec, arch_spec, build_hf_config
+from specdec.engine.errors import CorruptModelFileError, ModelNotFoundError
+from specdec.engine.weights.gguf_config import ArchSpec, arch_spec, build_hf_config
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-
-from engine.errors import CorruptModelFileError, ModelNotFoundError
+from specdec.engine.errors import CorruptModelFileError, ModelNotFoundError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from engine.errors import ModelNotFoundError
-from engine.weights.cache import cache_lock, is_complete, specdec_home
-from engine.weights.convert import convert_gguf_to_hf_dir, remove_stale_builds
-from engine.weights.default_pair import DEFAULT_MODELS, default_model_names, pull
-from engine.weights.hf_dir import CONFIG_FILE, load_hf_config
+from specdec.engine.errors import ModelNotFoundError
+from specdec.engine.weights.cache import cache_lock, is_complete, specdec_home
+from specdec.engine.weights.convert import convert_gguf_to_hf_dir, remove_stale_builds
+from specdec.engine.weights.default_pair import DEFAULT_MODELS, default_model_names, pull
+from specdec.engine.weights.hf_dir import CONFIG_FILE, load_hf_config
 
 
 def _accepted_forms() -> str:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from evals.baselines.hf_generate import HFGenerateBaseline
+from specdec.evals.baselines.hf_generate import HFGenerateBaseline
 
 __all__ = ["HFGenerateBaseline"]

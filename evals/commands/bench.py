@@ -6,10 +6,10 @@ import argparse
 import math
 import sys
 
-from evals.cli_args import ArgumentError, parse_ints
-from evals.datasets import load_categories, load_prompt_file, parse_categories
-from evals.loadgen import LoadSpec
-from evals.metrics import parse_slo
+from specdec.evals.cli_args import ArgumentError, parse_ints
+from specdec.evals.datasets import load_categories, load_prompt_file, parse_categories
+from specdec.evals.loadgen import LoadSpec
+from specdec.evals.metrics import parse_slo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,10 +84,16 @@ def loads_from_args(args: argparse.Namespace) -> list[LoadSpec]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from evals.bench_report import ab_summary, side_by_side, write_bench_outputs
-    from evals.bench_runner import BenchConfig, choose_arms, probe_server, run_bench, select_prompts
-    from evals.environment import command_line, environment_info
-    from evals.sse_client import RequestSpec
+    from specdec.evals.bench_report import ab_summary, side_by_side, write_bench_outputs
+    from specdec.evals.bench_runner import (
+        BenchConfig,
+        choose_arms,
+        probe_server,
+        run_bench,
+        select_prompts,
+    )
+    from specdec.evals.environment import command_line, environment_info
+    from specdec.evals.sse_client import RequestSpec
 
     # Everything the user typed is checked before the server is contacted.
     slo = parse_slo(args.slo)

@@ -6,17 +6,17 @@ import argparse
 import dataclasses
 import sys
 
-from api.engine_args import add_engine_arguments, config_from_args
-from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
-from engine.errors import ConfigError
-from evals.cli_args import parse_choices, parse_floats, parse_ints
-from evals.datasets import (
+from specdec.api.engine_args import add_engine_arguments, config_from_args
+from specdec.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from specdec.engine.errors import ConfigError
+from specdec.evals.cli_args import parse_choices, parse_floats, parse_ints
+from specdec.evals.datasets import (
     limit_per_category,
     load_categories,
     load_prompt_file,
     parse_categories,
 )
-from evals.offline import PROPOSERS, EvalSettings
+from specdec.evals.offline import PROPOSERS, EvalSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ class PairEngines:
     """Builds one engine per (method, k) over models loaded once, so the grid pays one load."""
 
     def __init__(self, config: EngineConfig, draft_model: str | None, need_draft: bool) -> None:
-        from engine.loader import load_model, resolve_device, resolve_dtype
+        from specdec.engine.loader import load_model, resolve_device, resolve_dtype
 
         self.config = config
         self.draft_name = draft_model
@@ -83,7 +83,7 @@ class PairEngines:
         return sorted(ids)
 
     def __call__(self, method: str, k: int):
-        from engine.llm_engine import LLMEngine
+        from specdec.engine.llm_engine import LLMEngine
 
         config = dataclasses.replace(
             self.config,
@@ -116,10 +116,10 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.weights import resolve_model
-    from evals.baselines import HFGenerateBaseline
-    from evals.environment import command_line, environment_info
-    from evals.offline import evaluate
+    from specdec.engine.weights import resolve_model
+    from specdec.evals.baselines import HFGenerateBaseline
+    from specdec.evals.environment import command_line, environment_info
+    from specdec.evals.offline import evaluate
 
     settings = settings_from_args(args)
     draft_name = args.draft_model if args.draft_model not in (None, "", "none") else None
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 def finish(report, output_dir: str) -> int:
     """Write the outputs, print the all-categories table, and say FAILURE loudly on any greedy
     mismatch. Returns the exit status: 1 when speculative and plain greedy outputs differ."""
-    from evals.eval_report import category_table, write_eval_outputs
+    from specdec.evals.eval_report import category_table, write_eval_outputs
 
     paths = write_eval_outputs(report, output_dir)
     print(category_table(report, "all"))

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _pick(text: str, items: list, what: str) -> list:
     if text.strip() in ("", "all"):
         return items
-    from engine.errors import ConfigError
+    from specdec.engine.errors import ConfigError
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     known = {i.name: i for i in items}
@@ -41,11 +41,10 @@ def _pick(text: str, items: list, what: str) -> list:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from evals.environment import command_line, git_commit
-    from evals.replay import default_policies
-    from evals.replay_suite import default_scenarios, run_suite, to_json, to_markdown
-    from evals.traces import load_traces
+    from specdec.evals.environment import command_line, git_commit
+    from specdec.evals.replay import default_policies
+    from specdec.evals.replay_suite import default_scenarios, run_suite, to_json, to_markdown
+    from specdec.evals.traces import load_traces
 
     torch.set_num_threads(1)  # the replay's tensors are tiny: threads only add overhead
     logging.getLogger("engine").setLevel(logging.WARNING)

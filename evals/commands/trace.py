@@ -9,10 +9,10 @@ import argparse
 import logging
 import time
 
-from engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
-from engine.errors import ConfigError
-from evals.cli_args import parse_floats
-from evals.datasets import load_categories, parse_categories, prompt_token_ids
+from specdec.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.engine.errors import ConfigError
+from specdec.evals.cli_args import parse_floats
+from specdec.evals.datasets import load_categories, parse_categories, prompt_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from engine.config import EngineConfig
-    from engine.kv_cache import GIB, num_blocks_for_budget
-    from engine.loader import load_model
-    from engine.sampling_params import SamplingParams
-    from evals.cost_table import cpu_flags_summary, measure_cost_table
-    from evals.environment import command_line, environment_info, git_commit
-    from evals.trace_record import plain_engine, record_requests
-    from evals.traces import load_traces, save_traces
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.kv_cache import GIB, num_blocks_for_budget
+    from specdec.engine.loader import load_model
+    from specdec.engine.sampling_params import SamplingParams
+    from specdec.evals.cost_table import cpu_flags_summary, measure_cost_table
+    from specdec.evals.environment import command_line, environment_info, git_commit
+    from specdec.evals.trace_record import plain_engine, record_requests
+    from specdec.evals.traces import load_traces, save_traces
 
     if args.max_tokens < 2:
         raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")

@@ -9,7 +9,7 @@ on the ratio of the arms' medians over rounds.
 Results of several runs (a sweep split into parts, each point measured once) merge into one
 report::
 
-    python -m evals.controller_sweep.report --out docs/results/controller/sweep part1.json part2.json
+    python -m specdec.evals.controller_sweep.report --out docs/results/controller/sweep part1.json part2.json
 """
 
 from __future__ import annotations

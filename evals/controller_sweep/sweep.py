@@ -19,11 +19,11 @@ the arm's own step time) and median / p99 over requests of time per output token
 
 Real pair (slow on a CPU: about 40 minutes for the full sweep on two cores):
 
-    python -m evals.controller_sweep.sweep
+    python -m specdec.evals.controller_sweep.sweep
 
 Smoke run on tiny random models (a minute or two):
 
-    python -m evals.controller_sweep.sweep --tiny --quick
+    python -m specdec.evals.controller_sweep.sweep --tiny --quick
 
 A live sweep confirms; it does not tune. A point that misses is recorded as traces
 (`specdec trace`) and reproduced in the deterministic replay (`specdec replay`) before anything
@@ -41,12 +41,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import SpecStats
-from evals.controller_sweep.report import write_markdown, write_plot
+from specdec.engine.config import EngineConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import SpecStats
+from specdec.evals.controller_sweep.report import write_markdown, write_plot
 
 logger = logging.getLogger("controller_sweep")
 
@@ -336,7 +335,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     )
     target = draft = None
     if args.tiny:
-        from evals.tiny_pair import tiny_pair
+        from specdec.evals.tiny_pair import tiny_pair
 
         target, draft = tiny_pair()
         models = dict(
@@ -496,7 +495,9 @@ def write_results(
 ) -> Path:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": " ".join(["python -m evals.controller_sweep.sweep", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            ["python -m specdec.evals.controller_sweep.sweep", *(argv or sys.argv[1:])]
+        ),
         "model": "tiny" if args.tiny else args.model,
         "draft_model": "tiny-draft" if args.tiny else args.draft_model,
         "max_tokens": args.max_tokens,

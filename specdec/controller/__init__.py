@@ -11,9 +11,6 @@ from collections.abc import Callable
 
 import torch
 
-from engine.block_allocator import BlockAllocator
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
 from specdec.controller.cost_table import (
     CalibrationSpec,
     cached_or_measured,
@@ -21,6 +18,9 @@ from specdec.controller.cost_table import (
     measure,
 )
 from specdec.controller.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
+from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.config import EngineConfig
+from specdec.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

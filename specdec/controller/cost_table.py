@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from engine.block_allocator import BlockAllocator
-from engine.model_runner import ModelRunner, RunEntry
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.weights.cache import specdec_home
 from specdec.controller.step_cost import ForwardShape, StepCostModel
+from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.model_runner import ModelRunner, RunEntry
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import Sequence
+from specdec.engine.weights.cache import specdec_home
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,6 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.sequence import Sequence
 from specdec.controller.estimates import (
     AcceptanceModel,
     ConfidenceBins,
@@ -45,6 +44,7 @@ from specdec.controller.estimates import (
     expected_tokens_table,
 )
 from specdec.controller.step_cost import ForwardShape, StepCostModel
+from specdec.engine.sequence import Sequence
 
 MARGIN = 0.03  # a new decision must be predicted 3% better: above the fit's step-to-step noise
 EXPLORE_INTERVAL = 64  # decode steps between re-measurements of the runner-up: <2% of the steps

@@ -17,11 +17,10 @@ import time
 from typing import Any
 
 import torch
-
-from engine.cuda_graphs import GraphedForward
-from engine.gpu_sampling import verify_drafts
-from evals.gpu_check_context import CheckContext
-from evals.gpu_check_models import (
+from specdec.engine.cuda_graphs import GraphedForward
+from specdec.engine.gpu_sampling import verify_drafts
+from specdec.evals.gpu_check.context import CheckContext
+from specdec.evals.gpu_check.models import (
     Timer,
     arch_for,
     contiguous_tables,

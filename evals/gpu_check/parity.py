@@ -13,15 +13,14 @@ from typing import Any
 
 import torch
 from scipy import stats
-
-from engine import noise
-from engine.attention.base import build_attention_metadata
-from engine.gpu_sampling import TorchKernels, sample_from_probs, verify_drafts, warp_probs
-from engine.kv_cache import ModelKV
-from engine.sampling_params import SamplingParams
-from evals.gpu_check_context import CheckContext
-from evals.gpu_check_engine import random_model_engine
-from evals.gpu_check_models import (
+from specdec.engine import noise
+from specdec.engine.attention.base import build_attention_metadata
+from specdec.engine.gpu_sampling import TorchKernels, sample_from_probs, verify_drafts, warp_probs
+from specdec.engine.kv_cache import ModelKV
+from specdec.engine.sampling_params import SamplingParams
+from specdec.evals.gpu_check.context import CheckContext
+from specdec.evals.gpu_check.engine import random_model_engine
+from specdec.evals.gpu_check.models import (
     arch_for,
     eager_step,
     make_pool,
@@ -170,7 +169,7 @@ def stage_graph_parity(ctx: CheckContext) -> dict[str, Any]:
     the logits. The bar is therefore relative: graph vs eager may differ by no more than two
     correct bf16 implementations do (eager FlashInfer with fused kernels vs the torch layers),
     times 1.5, plus 2e-3, and never by more than that or 1e-2, whichever is larger."""
-    from engine.cuda_graphs import GraphedForward
+    from specdec.engine.cuda_graphs import GraphedForward
 
     out, ok, page = {}, True, ctx.page_size
     for shape in (ctx.target_shape, ctx.draft_shape):

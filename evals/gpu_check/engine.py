@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import LoadedModel
-from engine.models import ModelArch
-from engine.models.decoder import DecoderLM
-from engine.sampling_params import SamplingParams
-from evals.gpu_check_context import CheckContext
-from evals.gpu_check_models import arch_for, random_model
+from specdec.engine.config import EngineConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.loader import LoadedModel
+from specdec.engine.models import ModelArch
+from specdec.engine.models.decoder import DecoderLM
+from specdec.engine.sampling_params import SamplingParams
+from specdec.evals.gpu_check.context import CheckContext
+from specdec.evals.gpu_check.models import arch_for, random_model
 
 ARMS = {"plain": "off", "fixed_k": "on", "adaptive": "auto"}
 
@@ -82,7 +81,7 @@ def _runtime_memory(
     ctx: CheckContext, engine: LLMEngine, before: dict[str, int] | None
 ) -> dict[str, Any] | None:
     """What the engine took beyond its KV pools (its models were built before it) once all of its
-    steps ran, against the estimate it set aside (`engine.device_memory`). torch's counters tell
+    steps ran, against the estimate it set aside (`specdec.engine.device_memory`). torch's counters tell
     its caching allocator (blocks it holds, peak of live tensors, graph captures included) from
     allocations outside it."""
     after = _device_memory_now(ctx)

@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.attention.base import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.gpu_sampling import FlashInferKernels, SamplingKernels, TorchKernels
-from engine.models import ModelArch
-from engine.models.decoder import DecoderLM
-from engine.models.fused_ops import FusedOps, probe_fused_ops
+from specdec.engine.attention.base import AttentionBackend
+from specdec.engine.attention.torch_backend import TorchAttentionBackend
+from specdec.engine.gpu_sampling import FlashInferKernels, SamplingKernels, TorchKernels
+from specdec.engine.models import ModelArch
+from specdec.engine.models.decoder import DecoderLM
+from specdec.engine.models.fused_ops import FusedOps, probe_fused_ops
 
 
 @dataclass
@@ -56,7 +55,7 @@ class CheckContext:
         """FlashInfer on the GPU (no fallback: the check must fail loudly), torch otherwise."""
         heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         if self.use_flashinfer:
-            from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+            from specdec.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
             backend = FlashInferAttentionBackend(heads, kv_heads, dim, self.device)
             backend.dtype = self.dtype

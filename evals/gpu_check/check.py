@@ -1,8 +1,8 @@
 """The GPU path's single device check: FlashInfer parity, CUDA-graph parity, sampling kernels,
 greedy speculative == plain, step timings and oracle end-to-end time per token.
 
-    python -m evals.gpu_check OUT_DIR            # on a CUDA machine (evals/gpu_check.sh wraps it)
-    python -m evals.gpu_check OUT_DIR --cpu-smoke  # CPU-side parts at tiny shapes, torch path
+    python -m specdec.evals.gpu_check OUT_DIR            # on a CUDA machine (evals/gpu_check/gpu_check.sh wraps it)
+    python -m specdec.evals.gpu_check OUT_DIR --cpu-smoke  # CPU-side parts at tiny shapes, torch path
 
 It runs its stages in order under a time budget (default 450 s, for an 8-minute device slot),
 skipping what no longer fits; each stage's result (or its error) is written to
@@ -25,20 +25,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from evals.environment import environment_info
-from evals.gpu_check_context import CheckContext
-from evals.gpu_check_engine import stage_engine_controller
-from evals.gpu_check_models import arch_for
-from evals.gpu_check_parity import (
+from specdec.evals.environment import environment_info
+from specdec.evals.gpu_check.context import CheckContext
+from specdec.evals.gpu_check.engine import stage_engine_controller
+from specdec.evals.gpu_check.models import arch_for
+from specdec.evals.gpu_check.parity import (
     stage_attention_parity,
     stage_engine_greedy,
     stage_graph_parity,
     stage_model_parity,
     stage_sampling_parity,
 )
-from evals.gpu_check_summary import format_table, summarize
-from evals.gpu_check_timing import (
+from specdec.evals.gpu_check.summary import format_table, summarize
+from specdec.evals.gpu_check.timing import (
     stage_bandwidth,
     stage_e2e,
     stage_kernel_profile,
@@ -82,8 +81,7 @@ def stage_jit(ctx: CheckContext) -> dict[str, Any]:
     from flashinfer.jit.norm import gen_norm_module
     from flashinfer.jit.rope import gen_rope_module
     from flashinfer.jit.sampling import gen_sampling_module
-
-    from engine.attention import selection
+    from specdec.engine.attention import selection
 
     shapes = {*ctx.parity_shapes, ctx.target_shape, ctx.draft_shape}
     head_dims = sorted({arch_for(s).head_dim for s in shapes} | {128})  # 128: the self-test
@@ -237,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = make_context(args)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     ctx.results = {
-        "command": " ".join([sys.executable, "-m", "evals.gpu_check", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            [sys.executable, "-m", "specdec.evals.gpu_check", *(argv or sys.argv[1:])]
+        ),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "cpu_smoke": ctx.cpu_smoke,
         "options": {k: str(v) for k, v in vars(args).items()},
@@ -259,7 +259,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {path}")
     print(table, flush=True)
     return 1 if any(s["status"] == "failed" for s in ctx.results["stages"].values()) else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

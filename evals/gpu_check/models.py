@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from engine.attention.base import AttentionBackend, build_attention_metadata
-from engine.kv_cache import ModelKV, allocate_model_kv
-from engine.models import ModelArch, model_arch_from_hf_config
-from engine.models.decoder import DecoderLM
-from engine.models.registry import instantiate_model
+from specdec.engine.attention.base import AttentionBackend, build_attention_metadata
+from specdec.engine.kv_cache import ModelKV, allocate_model_kv
+from specdec.engine.models import ModelArch, model_arch_from_hf_config
+from specdec.engine.models.decoder import DecoderLM
+from specdec.engine.models.registry import instantiate_model
 
 
 def _qwen2(vocab, hidden, inter, layers, heads, kv_heads, tie, head_dim=None) -> dict[str, Any]:

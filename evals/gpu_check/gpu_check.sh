@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The GPU path's device check in one run (< 8 minutes) on a fresh CUDA machine without network.
 #
-#   evals/gpu_check.sh OUT_DIR [extra evals/gpu_check.py options]
+#   evals/gpu_check/gpu_check.sh OUT_DIR [extra evals/gpu_check/check.py options]
 #
 # 1. installs the wheels carried in .whl/ (flashinfer-python 0.6.x and apache-tvm-ffi; see
 #    docs/gpu.md for how to fetch them) into a private folder, without network;
-# 2. runs python -m evals.gpu_check under a time budget; it writes OUT_DIR/gpu_check_*.json after
+# 2. runs python -m specdec.evals.gpu_check under a time budget; it writes OUT_DIR/gpu_check_*.json after
 #    every stage and prints the table of targets last;
 # 3. if time is left, runs the CUDA-marked unit tests of the GPU path.
 # OUT_DIR also receives gpu_check.log, nvidia_smi.csv, gpu_check_table.txt and pytest_gpu.log.
 set -uo pipefail
 
-out="${1:?usage: evals/gpu_check.sh OUT_DIR [options for evals/gpu_check.py]}"
+out="${1:?usage: evals/gpu_check/gpu_check.sh OUT_DIR [options for evals/gpu_check/check.py]}"
 shift
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
