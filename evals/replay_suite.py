@@ -236,3 +236,49 @@ def to_markdown(report: dict, header: str = "") -> str:
             cells.append(f"{tps['adaptive'] / tps['plain']:.3f}" if tps.get("plain") else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return header + "\n".join(lines) + "\n"
+
+
+def targets_markdown(report: dict, baseline: dict | None = None) -> str:
+    """The issue's replay targets checked scenario by scenario: adaptive against the best fixed
+    k, against plain where no fixed k beats plain, and against ``baseline``'s adaptive (an
+    earlier controller's replay.json on the same traces; replays are deterministic, so the two
+    compare exactly)."""
+    before = {
+        s["name"]: s["tokens_per_s"]["adaptive"] for s in (baseline or {}).get("scenarios", [])
+    }
+    lines = [
+        "| scenario | adaptive | best fixed k | / best fixed | / plain | baseline | / baseline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    miss_best, miss_plain, ratios = [], [], {}
+    for s in report["scenarios"]:
+        tps = s["tokens_per_s"]
+        ad, plain = tps["adaptive"], tps["plain"]
+        fixed = {n: v for n, v in tps.items() if n.startswith("fixed_k")}
+        best = max(fixed.values())
+        if ad < 0.98 * best:
+            miss_best.append(f"{s['name']} {ad / best:.3f}")
+        if best < plain and ad < 0.99 * plain:
+            miss_plain.append(f"{s['name']} {ad / plain:.3f}")
+        base = before.get(s["name"])
+        if base:
+            ratios[s["name"]] = ad / base
+        cells = [s["name"], f"{ad:.2f}", f"{best:.2f}", f"{ad / best:.3f}", f"{ad / plain:.3f}"]
+        cells += [f"{base:.2f}", f"{ad / base:.3f}"] if base else ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    n = len(report["scenarios"])
+    lines += [
+        "",
+        f"- adaptive >= 0.98x the best fixed k: {n - len(miss_best)} of {n}"
+        + (f"; missed in {', '.join(miss_best)}" if miss_best else ""),
+        "- adaptive >= 0.99x plain where no fixed k beats plain: "
+        + (f"missed in {', '.join(miss_plain)}" if miss_plain else "met everywhere"),
+    ]
+    if ratios:
+        at_least = sum(r >= 1.0 for r in ratios.values())
+        low = [f"{k} {r:.3f}" for k, r in ratios.items() if r < 0.97]
+        lines.append(
+            f"- adaptive >= the baseline in {at_least} of {len(ratios)} scenarios"
+            + (f"; below 0.97x in {', '.join(low)}" if low else "; never below 0.97x")
+        )
+    return "\n".join(lines) + "\n"

@@ -199,6 +199,29 @@ def test_hysteresis_holds_a_decision_against_small_changes_and_exploration_runs_
     assert switches <= 2 * len(tail) // EXPLORE_INTERVAL + 2
 
 
+def test_an_exploration_trial_is_charged_its_drafts_whole_catch_up():
+    """A trial runs for one step, so a draft that must first read a long unread history makes it
+    dear, however cheap that history would be spread over the sequence's remaining steps."""
+
+    def explores(lag: int) -> bool:
+        policy = AdaptivePolicy(6, initial_acceptance=0.35, stop_drafts_early=False)
+        for _ in range(12):
+            for rows in (1, 2, 4, 8, 16, 64):
+                draft = [ForwardShape(rows, 1)]
+                policy.cost.observe(
+                    ForwardShape(rows, 1), 0.1 + 0.004 * rows, draft, 0.03 + 0.0005 * rows
+                )
+        seqs = make_seqs(1, context=1024)
+        seqs[0].params = SamplingParams(max_tokens=3000)  # spread over ~2,000 steps: ~1 row
+        seqs[0].num_draft_computed_tokens = 1024 - lag
+        decisions = [policy.decide(seqs, PrefillShape()).ks for _ in range(EXPLORE_INTERVAL + 1)]
+        assert not any(decisions[0])  # plain is held; speculation is a plausible runner-up
+        return any(any(ks) for ks in decisions)
+
+    assert explores(lag=1)
+    assert not explores(lag=1000)
+
+
 def test_decisions_are_a_function_of_their_inputs():
     def trace(seed: int) -> list[list[int]]:
         policy = AdaptivePolicy(6, initial_acceptance=0.7)

@@ -18,7 +18,14 @@ from specdec.evals.replay import (
     replay_request,
     run_policy,
 )
-from specdec.evals.replay_suite import Scenario, default_scenarios, run_suite, to_json, to_markdown
+from specdec.evals.replay_suite import (
+    Scenario,
+    default_scenarios,
+    run_suite,
+    targets_markdown,
+    to_json,
+    to_markdown,
+)
 from specdec.evals.traces import load_traces, save_traces
 
 from specdec.controller.policy import FixedPolicy
@@ -281,3 +288,21 @@ def test_committed_trace_set_covers_every_category_and_replays():
     policies = [p for p in default_policies() if p.name in ("plain", "fixed_k2")]
     tps = run_suite(traces, scenario, policies)["scenarios"][0]["tokens_per_s"]
     assert tps["fixed_k2"] > tps["plain"] > 0  # code at T = 0, one client: drafts pay
+
+
+def test_targets_table_checks_each_target_and_the_baseline():
+    def report(adaptive: dict[str, float]) -> dict:
+        rows = []
+        for name, ad in adaptive.items():
+            tps = {"plain": 10.0, "fixed_k1": 12.0, "fixed_k2": 11.0, "adaptive": ad}
+            if name.startswith("busy"):  # no fixed k beats plain
+                tps.update(fixed_k1=8.0, fixed_k2=7.0)
+            rows.append({"name": name, "tokens_per_s": tps})
+        return {"scenarios": rows}
+
+    now = report({"a": 11.9, "b": 11.0, "busy": 9.95})
+    text = targets_markdown(now, report({"a": 11.0, "b": 12.0, "busy": 9.95}))
+    assert "2 of 3; missed in b 0.917" in text  # 11.9 >= 0.98 * 12; busy's best fixed is 8
+    assert "0.99x plain where no fixed k beats plain: met everywhere" in text
+    assert "baseline in 2 of 3 scenarios; below 0.97x in b 0.917" in text
+    assert "missed in busy 0.950" in targets_markdown(report({"busy": 9.5}))

@@ -7,6 +7,7 @@ recorded (the committed set by default); writes replay.json and replay.md. See d
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from pathlib import Path
@@ -24,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenarios", default="all", help="scenario names, comma-separated (default: all)"
     )
     g.add_argument("--policies", default="all", help="policy names, comma-separated (default: all)")
+    g.add_argument(
+        "--baseline",
+        default=None,
+        help="an earlier replay.json on the same traces: replay.md checks adaptive against it",
+    )
 
 
 def _pick(text: str, items: list, what: str) -> list:
@@ -43,13 +49,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from specdec.evals.environment import command_line, git_commit
     from specdec.evals.replay import default_policies
-    from specdec.evals.replay_suite import default_scenarios, run_suite, to_json, to_markdown
+    from specdec.evals.replay_suite import (
+        default_scenarios,
+        run_suite,
+        targets_markdown,
+        to_json,
+        to_markdown,
+    )
     from specdec.evals.traces import load_traces
 
     torch.set_num_threads(1)  # the replay's tensors are tiny: threads only add overhead
     logging.getLogger("engine").setLevel(logging.WARNING)
     logging.getLogger("specdec").setLevel(logging.WARNING)
     traces = load_traces(args.traces)
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     scenarios = _pick(args.scenarios, default_scenarios(), "scenario")
     policies = _pick(args.policies, default_policies(), "policy")
     start = time.perf_counter()
@@ -74,7 +87,14 @@ def run(args: argparse.Namespace) -> int:
         ". Output tokens per simulated second; the best policy of each scenario in bold. "
         "docs/evals.md explains the scenarios, policies and approximations.\n\n"
     )
-    (out / "replay.md").write_text(to_markdown(report, header))
+    body = to_markdown(report, header)
+    names = {p.name for p in policies}
+    if {"adaptive", "plain"} <= names and any(n.startswith("fixed_k") for n in names):
+        body += "\n## Targets\n\n"
+        if args.baseline:
+            body += f"Baseline: `{args.baseline}`.\n\n"
+        body += targets_markdown(report, baseline)
+    (out / "replay.md").write_text(body)
     print(to_markdown(report))
     print(f"replayed {len(scenarios)} scenarios x {len(policies)} policies in {seconds:.1f} s")
     return 0

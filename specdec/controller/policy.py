@@ -224,7 +224,7 @@ class AdaptivePolicy:
             if decode_only:
                 self._held = (best.k, best.share)
         if explore:
-            choice = self._runner_up(choice, candidates)
+            choice = self._runner_up(seqs, choice, candidates, prefill)
         ks = choice.ks
         self._last, self._last_goodput, self._last_seconds = ks, choice.goodput, choice.seconds
         stop = None
@@ -271,12 +271,12 @@ class AdaptivePolicy:
         return True
 
     def _step(
-        self, seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape
+        self, seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape, amortize: bool = True
     ) -> tuple[float, float]:
         """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
         seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill))
         drafting = [
-            (k, self._catch_up(s, self._table_of(s)[min(k, self.k_max)]), _sampled(s))
+            (k, self._catch_up(s, self._table_of(s)[min(k, self.k_max)], amortize), _sampled(s))
             for s, k in zip(seqs, ks, strict=True)
             if k
         ]
@@ -345,14 +345,15 @@ class AdaptivePolicy:
                     )
         return out
 
-    def _catch_up(self, seq: Sequence, expected: float) -> int:
+    def _catch_up(self, seq: Sequence, expected: float, amortize: bool = True) -> int:
         """Draft rows a step that drafts for ``seq`` is charged: the one or two tokens a draft
         that kept pace reads, plus the rest of its lag (a prompt it never read, steps it sat
         out) spread over the steps the sequence has left at ``expected`` tokens a step. The
         catch-up is paid once and serves every later step; charged whole to the first, no
-        sequence that sat plain for a while would ever start drafting again."""
+        sequence that sat plain for a while would ever start drafting again. A one-step trial
+        (``amortize`` False) is charged all of it: nothing later is sure to use it."""
         lag = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
-        if lag <= _KEPT_PACE:
+        if lag <= _KEPT_PACE or not amortize:
             return lag
         left = self.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
@@ -373,14 +374,22 @@ class AdaptivePolicy:
             k, share = 0, 0.0
         return self._price(seqs, ks, prefill, tables, k, share)
 
-    def _runner_up(self, choice: _Candidate, candidates: list[_Candidate]) -> _Candidate:
-        """The best candidate of another draft length, when it is within ``EXPLORE_BAND`` of the
-        choice (and then the exploration clock restarts); else the choice."""
-        others = [c for c in candidates if c.k != choice.k]
-        if not others:
+    def _runner_up(
+        self, seqs, choice: _Candidate, candidates: list[_Candidate], prefill: PrefillShape
+    ) -> _Candidate:
+        """The candidate of another draft length that is best as a one-step trial (its drafts'
+        whole catch-up charged to it), when it is within ``EXPLORE_BAND`` of the choice (and
+        then the exploration clock restarts); else the choice."""
+
+        def trial_goodput(c: _Candidate) -> float:
+            seconds, _ = self._step(seqs, c.ks, prefill, amortize=False)
+            return c.goodput * c.seconds / seconds
+
+        trials = [(trial_goodput(c), c) for c in candidates if c.k != choice.k]
+        if not trials:
             return choice
-        runner_up = max(others, key=lambda c: c.goodput)
-        if runner_up.goodput < choice.goodput * (1.0 - EXPLORE_BAND):
+        goodput, runner_up = max(trials, key=lambda t: t[0])
+        if goodput < choice.goodput * (1.0 - EXPLORE_BAND):
             return choice
         self._since_explore = 0
         return runner_up
