@@ -24,16 +24,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-
-from specdec.controller.step_cost import ForwardShape, StepCostModel
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.model_runner import ModelRunner, RunEntry
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import Sequence
 from specdec.engine.weights.cache import specdec_home
 
+from specdec.controller.step_cost import ForwardShape, StepCostModel
+
 logger = logging.getLogger(__name__)
 
+CALIBRATION_SECONDS = 30.0  # every plain and verify shape up to 16 x 7 rows on a 2-core CPU
 SHORT_CONTEXT = 32  # keys each temporary sequence attends over in most shapes
 LONG_CONTEXT = 1024  # the long-context shapes: attention's share of a step shows here
 MIN_SHAPES = 3  # measured whatever the budget says: one plain, one verify, one more

@@ -30,12 +30,12 @@ from specdec.engine.outputs import (
     append_and_check,
     make_output,
 )
+from specdec.engine.policy_setup import build_policy
 from specdec.engine.sampling import RowContext
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler, StepPlan
 from specdec.engine.sequence import Sequence, SequenceStatus, SpecStats
 
-from specdec.controller import build_policy
 from specdec.controller.policy import (
     PrefillShape,
     SeqOutcome,

@@ -1,7 +1,7 @@
 """The machine's measured step-cost table, and the step times the replay reads from it.
 
 Measured (``measure_cost_table``) with the policy's own calibration timer
-(``specdec.controller.cost_table.time_forward``: fastest of a few bare forwards over temporary
+(``specdec.engine.calibration.time_forward``: fastest of a few bare forwards over temporary
 sequences from the engine's allocator):
 
 - ``target``: forwards by (sequences, rows) at a short context, every uniform verify shape up to
@@ -59,11 +59,10 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
     import time
 
     import torch
+    from specdec.engine.calibration import time_forward
     from specdec.engine.gpu_sampling import probs_for_rows, sample_from_probs
     from specdec.engine.sampling import RowContext
     from specdec.engine.sampling_params import SamplingParams
-
-    from specdec.controller.cost_table import time_forward
 
     def sweep(engine, shapes, context, logits_all: bool) -> list[dict]:
         out = []

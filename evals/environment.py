@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.controller.cost_table import cpu_model
+from specdec.engine.calibration import cpu_model
 
 
 def environment_info() -> dict:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 
 import torch
-from tiny_models import make_engine, noisy_copy, tiny_hf_model
-
-from specdec.controller.cost_table import (
+from specdec.engine.calibration import (
     CalibrationSpec,
     CostTable,
     cached_or_measured,
     machine_description,
     measure,
 )
+from tiny_models import make_engine, noisy_copy, tiny_hf_model
+
 from specdec.controller.step_cost import ForwardShape, StepCostModel
 
 

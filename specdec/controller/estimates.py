@@ -1,21 +1,10 @@
 """Acceptance estimates: per draft position, engine-wide and per sequence, and by draft confidence.
 
-Positions are conditional: ``a_j`` is the chance that draft ``j`` is accepted given that drafts
-``1..j-1`` were. A verify of ``k`` drafts with ``m`` accepted judges positions ``1..min(m+1, k)``
-and accepts ``1..m``. Expected tokens committed by a verify of ``k`` drafts, the bonus or
-corrected token included::
-
-    E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i
-
-Engine-wide, per proposer, ``a_j = (hits_j + s0 * g_j) / (judged_j + s0)`` over counts that decay
-by ``ACCEPTANCE_DECAY`` per verify, with the guess ``g_1 = initial`` and ``g_j = a_{j-1}`` past
-it (a position no verify reached lately looks like the deepest one measured). A sequence's
-estimate shrinks its own lifetime counts towards the engine-wide one with ``SHRINK_STRENGTH``
-pseudo-verifies, so a few lucky or unlucky verifies move it little and a long, distinct request
-follows its own numbers.
-
-``ConfidenceBins`` maps the draft's probability of the token it drew (its confidence) to the
-chance that token is accepted, from decayed counts per bin shrunk towards the pooled rate.
+``a_j`` is the chance that draft j is accepted given that drafts 1..j-1 were; a verify of k
+drafts commits ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` tokens. Engine-wide rates come from
+counts decayed by ``ACCEPTANCE_DECAY`` per verify; a sequence's own counts are shrunk towards
+them with ``PRIOR_STRENGTH`` pseudo-verifies. ``ConfidenceBins`` maps the draft's probability of
+the token it drew to that token's acceptance (docs/controller.md).
 """
 
 from __future__ import annotations
@@ -26,13 +15,10 @@ from collections.abc import Sequence
 # An exponential average over about 100 verifies: long enough to average out per-step luck,
 # short enough to follow a change of workload within a few requests.
 ACCEPTANCE_DECAY = 0.99
-# Pseudo-verifies pulling a sequence towards the engine-wide estimate: requests of one workload
+# Pseudo-verifies behind every prior: the initial guess, the engine-wide rates a sequence's own
+# counts are shrunk towards, the pooled rate behind each confidence bin. Requests of one workload
 # differ by little more than binomial noise over a few verifies, which this many outweighs.
-SHRINK_STRENGTH = 8.0
-# Pseudo-counts behind the engine-wide guess before any verify, and behind each confidence
-# bin's pooled rate: enough that the first few judgements do not swing the estimate.
-_PRIOR_STRENGTH = 2.0
-_MAX_ACCEPTANCE = 0.999  # an estimate never claims certainty: one rejection must still count
+PRIOR_STRENGTH = 8.0
 # Upper edges of the confidence bins, dense near 1 where a draft model's confidences crowd.
 CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 
@@ -56,12 +42,16 @@ class AcceptanceModel:
     """Engine-wide conditional acceptance per draft position, and each sequence's estimate."""
 
     def __init__(self, k_max: int, initial: float) -> None:
-        if not 0.0 <= initial <= 1.0:
-            raise ValueError(f"initial acceptance must be in [0, 1], got {initial}")
+        if not 0.0 <= initial < 1.0:
+            # Below 1, every estimate shrunk towards it stays below 1: one rejection still counts.
+            raise ValueError(f"initial acceptance must be in [0, 1), got {initial}")
         self.k_max = k_max
         self.initial = initial
         self.hits = [0.0] * k_max
         self.judged = [0.0] * k_max
+        # The initial guess is a pseudo-observation: it ages with the counts, so that a long run
+        # is judged by what it measured, not by the guess it started from.
+        self.prior_weight = PRIOR_STRENGTH
         self.version = 0  # moves with every verify observed: estimates derived from it go stale
         self._rates = self._compute_rates()
 
@@ -70,6 +60,7 @@ class AcceptanceModel:
         if num_drafted <= 0:
             return
         judged = min(judged_positions(num_drafted, num_accepted), self.k_max)
+        self.prior_weight *= ACCEPTANCE_DECAY
         for j in range(self.k_max):
             self.hits[j] *= ACCEPTANCE_DECAY
             self.judged[j] *= ACCEPTANCE_DECAY
@@ -90,16 +81,14 @@ class AcceptanceModel:
         for j, prior in enumerate(self._rates):
             hit = accepted[j] if j < len(accepted) else 0
             n = judged[j] if j < len(judged) else 0
-            out.append(
-                min((hit + SHRINK_STRENGTH * prior) / (n + SHRINK_STRENGTH), _MAX_ACCEPTANCE)
-            )
+            out.append((hit + PRIOR_STRENGTH * prior) / (n + PRIOR_STRENGTH))
         return out
 
     def _compute_rates(self) -> list[float]:
         rates, guess = [], self.initial
         for hit, n in zip(self.hits, self.judged, strict=True):
-            a = (hit + _PRIOR_STRENGTH * guess) / (n + _PRIOR_STRENGTH)
-            a = min(max(a, 0.0), _MAX_ACCEPTANCE)
+            w = self.prior_weight
+            a = (hit + w * guess) / (n + w) if n + w > 0.0 else guess
             rates.append(a)
             guess = a
         return rates
@@ -109,8 +98,8 @@ class ConfidenceBins:
     """Acceptance of a drawn draft token as a function of the draft's probability of it."""
 
     def __init__(self, initial: float) -> None:
-        self.pooled_hits = _PRIOR_STRENGTH * initial
-        self.pooled_n = _PRIOR_STRENGTH
+        self.pooled_hits = PRIOR_STRENGTH * initial
+        self.pooled_n = PRIOR_STRENGTH
         self.hits = [0.0] * (len(CONFIDENCE_EDGES) + 1)
         self.judged = [0.0] * (len(CONFIDENCE_EDGES) + 1)
 
@@ -129,7 +118,7 @@ class ConfidenceBins:
         """(bin upper edges, acceptance per bin): plain data a proposer can apply."""
         pooled = self.pooled_hits / self.pooled_n
         rates = tuple(
-            min((h + _PRIOR_STRENGTH * pooled) / (n + _PRIOR_STRENGTH), _MAX_ACCEPTANCE)
+            (h + PRIOR_STRENGTH * pooled) / (n + PRIOR_STRENGTH)
             for h, n in zip(self.hits, self.judged, strict=True)
         )
         return CONFIDENCE_EDGES, rates

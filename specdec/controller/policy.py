@@ -1,33 +1,16 @@
 """Speculation policies: how many drafts each decode-ready sequence verifies this step.
 
-The adaptive policy maximises predicted goodput, the value a step commits per second of step
-time (docs/controller.md states the model as equations)::
+The adaptive policy picks, among plain decode and "the n sequences of highest E_i(k) draft k"
+for every k and n on a grid, the step of highest predicted goodput::
 
     G = (sum_i E_i(k_i) + FIRST_TOKEN_WEIGHT * P) / (T_target + T_draft)
 
-``E_i(k)`` is sequence i's expected committed tokens for k drafts (``estimates``), ``P`` the
-number of sequences whose prompt chunk rides in the step (a longer step delays their first
-token), and the times come from the fitted ``StepCostModel`` for the exact step shape: target
-rows, sequences and attended context; draft forwards including each drafting sequence's
-catch-up on tokens its draft has not seen. Candidates are every draft length k with the n
-sequences of highest ``E_i(k)`` drafting, for n on a grid, and plain decode.
-
-One hysteresis band: the held decision (a draft length and the share of the 'auto' sequences,
-those of highest ``E_i(k)``, that draft it) gives way only to a candidate predicted ``MARGIN`` better, so noise in the estimates cannot flip
-the batch back and forth (each switch back on pays the draft's catch-up). One exploration rule:
-after ``EXPLORE_INTERVAL`` decode steps without running it, the best candidate of another draft
-length (plain included) runs for one step if it is predicted within ``EXPLORE_BAND`` of the held
-decision, so shapes the engine stopped running are measured again and cannot stay mispriced.
-
-A drafting sequence drafts up to the k it was given and stops early once the draft is unsure: the
-decision carries a threshold, and a sequence drafts one more token only while the expected tokens
-it adds (the chance that all its drafts so far hold, from their calibrated confidences, times the
-next position's acceptance) are worth their marginal time at the step's goodput
-(``keep_drafting``). It never drafts past its k, so the step the decision priced bounds the step
-that runs.
-
-Decisions depend only on the measurements given to ``observe`` and the sequences' own counts:
-no clock, no randomness, so a recorded run replays to the same decisions.
+with ``E_i`` from ``estimates``, ``P`` the prompt chunks riding in the step, and the times from
+``step_cost`` for the step's exact shape (draft catch-up included). One hysteresis band
+(``MARGIN``), one exploration rule (``EXPLORE_INTERVAL``, ``EXPLORE_BAND``), and a draft stop
+rule (``keep_drafting``) that never drafts past the chosen k. Decisions depend only on what
+``observe`` was given and the sequences' own counts, so a recorded run replays to the same
+decisions. docs/controller.md states the model and the reason for each default.
 """
 
 from __future__ import annotations
@@ -46,6 +29,9 @@ from specdec.controller.estimates import (
 from specdec.controller.step_cost import ForwardShape, StepCostModel
 from specdec.engine.sequence import Sequence
 
+# Acceptance assumed per position before any verify was seen, per proposer: a same-family draft
+# model usually agrees with the target most of the time; prompt lookup less often.
+INITIAL_ACCEPTANCE = {"draft_model": 0.7, "ngram": 0.5}
 MARGIN = 0.03  # a new decision must be predicted 3% better: above the fit's step-to-step noise
 EXPLORE_INTERVAL = 64  # decode steps between re-measurements of the runner-up: <2% of the steps
 EXPLORE_BAND = 0.15  # only runners-up a plausible mispricing (<15%) could make the best are tried

@@ -1,31 +1,17 @@
 """Step cost: predicted seconds of a target forward and of a step's draft forwards, fitted online.
 
-A forward of ``r`` rows over ``s`` sequences whose rows attend to ``A`` (query, key) pairs in all
-(``A = sum_i q_i * kv_i``), ``m`` of whose rows are sampled from a warped distribution (the rows
-of requests at temperature > 0 that need a token: softmax, filters and a draw over the whole
-vocabulary, where a greedy row needs an argmax), is modelled as::
+A forward of ``r`` rows over ``s`` sequences attending to ``A`` (query, key) pairs, ``m`` of its
+rows sampled from a warped distribution, costs::
 
     t(r, s, A, m) = speed * (W(r) + c_seq * s + c_attn * A + c_samp * m)
 
-``W`` is piecewise linear in ``r`` between knots at powers of two: flat while a forward streams
-the weights once whatever its rows (memory-bound), then rising once the rows' arithmetic
-dominates (compute-bound); no shape is assumed beyond continuity. ``c_seq`` carries per-sequence
-work (bookkeeping), ``c_attn`` attention over long contexts, ``c_samp`` sampling. A step's draft time is the
-sum of such terms over its draft forwards, so draft steps of any mix fit the same way.
-
-The fit is a weighted least squares over the latest ``COST_WINDOW`` live steps and the start-up
-calibration (weighted ``CALIBRATION_WEIGHT``: bare forwards miss what a live step adds), with a
-penalty on changes of slope between knots, so knots without data are interpolated (and
-extrapolated) linearly from their neighbours. Parameters are clamped non-negative and ``W``
-non-decreasing.
-
-``speed`` is the machine's current pace: the median of the last ``SPEED_WINDOW`` ratios of
-measured to fitted time. The fit stores each step divided by the pace at that moment, so a slow
-spell measured on the shapes the engine ran does not make them look dearer than shapes it did not
-run. Only steps of a shape measured before enter the pace window: a shape's first steps measure
-what the fit got wrong about it, not the machine. A step over ``STALL_RATIO`` times the last
-measurement of its own shape (a page fault, another process) is left out of the fit; it still
-enters the pace window, where one outlier moves no median.
+``W`` is piecewise linear and non-decreasing between knots at powers of two (flat while a forward
+is memory-bound, rising once it is compute-bound). The fit is a non-negative least squares over
+the last ``COST_WINDOW`` live steps and the start-up calibration (weighted
+``CALIBRATION_WEIGHT``), with a slope-change penalty so that knots without data are interpolated.
+``speed`` is the median of the last ``SPEED_WINDOW`` measured/fitted ratios on shapes seen
+before; a step over ``STALL_RATIO`` times its shape's last measurement is left out of the fit.
+docs/controller.md has the details.
 """
 
 from __future__ import annotations
@@ -216,7 +202,9 @@ class StepCostModel:
         self._last_by_shape: dict[tuple[int, int, int], float] = {}
 
     def target_time(self, shape: ForwardShape) -> float:
-        return self.speed * self.target.base_of(shape)
+        # A forward is never free: a fit pinned at zero by odd measurements must not make a
+        # step's goodput infinite.
+        return self.speed * max(self.target.base_of(shape), 1e-9)
 
     def draft_time(self, forwards: Sequence[ForwardShape]) -> float:
         return self.speed * sum(self.draft.base_of(f) for f in forwards)
