@@ -33,12 +33,15 @@ from specdec.api.settings import ServerSettings
 from specdec.engine.async_engine import AsyncEngine
 from specdec.engine.config import EngineConfig
 from specdec.engine.errors import ConfigError
+from specdec.engine.kv_cache import GIB, bytes_per_block
 from specdec.engine.llm_engine import LLMEngine
 
 MODEL_HEADER = "X-Specdec-Model"
 DRAFT_NAME_SUFFIX = "-draft"
-# The draft's own pool is this share of the speculative engine's block count by default.
+# The draft's own pool by default: this share of the speculative engine's block count, and at
+# most this many bytes (a GPU's main pool is most of the device).
 DEFAULT_DRAFT_POOL_DIVISOR = 4
+DEFAULT_DRAFT_POOL_MAX_BYTES = GIB // 4
 DEFAULT_ROUTE_MAX_TOKENS = 64
 DEFAULT_ROUTE_MAX_PROMPT_TOKENS = 512
 
@@ -47,7 +50,7 @@ DEFAULT_ROUTE_MAX_PROMPT_TOKENS = 512
 class RoutingSettings:
     """``serve_draft``: serve the draft model (when there is one) under ``draft_served_name``.
     ``draft_num_kv_blocks``: the draft engine's pool (None: the main pool's block count / 4, at
-    least one max_model_len sequence). ``router_name``: the optional router model name; it sends
+    most 0.25 GiB, at least one max_model_len sequence). ``router_name``: the optional router model name; it sends
     a request to the draft when ``max_tokens <= route_max_tokens`` and the prompt has at most
     ``route_max_prompt_tokens`` tokens."""
 
@@ -107,14 +110,17 @@ def resolve_routing(
 
 def build_draft_engine(engine: LLMEngine, num_blocks: int | None = None) -> LLMEngine:
     """A plain-decode engine over ``engine``'s draft model: the same weights object (nothing is
-    loaded), speculation off, its own KV pool of ``num_blocks`` blocks."""
+    loaded), speculation off, its own KV pool of ``num_blocks`` blocks (default: a quarter of the
+    main pool's block count, at most 0.25 GiB, at least one max_model_len sequence)."""
     if engine.draft is None:
         raise ConfigError("this engine has no draft model to serve")
     config = engine.config
     max_len = min(config.max_model_len, engine.draft.arch.max_position_embeddings)
     need = -(-max_len // config.page_size)
     if num_blocks is None:
-        num_blocks = max(need, engine.allocator.num_blocks // DEFAULT_DRAFT_POOL_DIVISOR)
+        per_block = bytes_per_block([engine.draft.arch], config.page_size, engine.dtype)
+        share = engine.allocator.num_blocks // DEFAULT_DRAFT_POOL_DIVISOR
+        num_blocks = max(need, min(share, DEFAULT_DRAFT_POOL_MAX_BYTES // per_block))
     draft_config = dataclasses.replace(
         config,
         model=config.draft_model or "",
@@ -229,7 +235,7 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="KV blocks of the served draft's own pool (default: the main pool's block count "
-        f"/ {DEFAULT_DRAFT_POOL_DIVISOR}, at least one max_model_len sequence)",
+        f"/ {DEFAULT_DRAFT_POOL_DIVISOR}, at most 0.25 GiB, at least one max_model_len sequence)",
     )
     group.add_argument(
         "--router-model-name",

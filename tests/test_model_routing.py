@@ -21,6 +21,7 @@ from helpers_server import (
     sse_events,
     start_servers,
 )
+from specdec.api import model_routing
 from specdec.api.ab import ArmAssigner
 from specdec.api.app import create_app
 from specdec.api.cli import main as cli_main
@@ -39,6 +40,7 @@ from specdec.api.settings import ServerSettings
 from specdec.engine.async_engine import AsyncEngine
 from specdec.engine.config import EngineConfig
 from specdec.engine.errors import ConfigError, InvalidRequestError
+from specdec.engine.kv_cache import bytes_per_block
 from specdec.engine.sampling_params import SamplingParams
 from tiny_models import hf_greedy, make_engine, tiny_hf_model
 
@@ -72,7 +74,7 @@ def chat(http, model, **fields) -> httpx.Response:
 
 
 # ---- the engine that serves the draft ---------------------------------------------------------
-def test_draft_engine_shares_the_weights_and_decodes_like_the_draft_alone():
+def test_draft_engine_shares_the_weights_and_decodes_like_the_draft_alone(monkeypatch):
     target_hf, draft_hf = tiny_hf_model("qwen2", seed=0), tiny_hf_model("qwen2", seed=3)
     engine = make_engine(target_hf, draft_hf)
     draft = build_draft_engine(engine)
@@ -86,6 +88,11 @@ def test_draft_engine_shares_the_weights_and_decodes_like_the_draft_alone():
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.output_token_ids == hf_greedy(draft_hf, prompt, 12)
     assert draft.allocator.num_free_blocks == free
+    # A large main pool: the quarter is capped by bytes.
+    big = make_engine(target_hf, draft_hf, num_kv_blocks=1024)
+    per_block = bytes_per_block([big.draft.arch], big.config.page_size, big.dtype)
+    monkeypatch.setattr(model_routing, "DEFAULT_DRAFT_POOL_MAX_BYTES", 100 * per_block)
+    assert build_draft_engine(big).allocator.num_blocks == 100
     # An engine without a draft has nothing to serve.
     with pytest.raises(ConfigError, match="no draft model"):
         build_draft_engine(make_engine(target_hf))
