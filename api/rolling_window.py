@@ -14,7 +14,9 @@ What lands in which bin (wall-clock time of the event):
   where each output reached the handler, so tokens/s follows the real rate, not finish times.
 
 It also samples the speculation controller's latest decision (mean k, fraction of sequences that
-drafted) at most once per ``controller_every_s`` while outputs flow, and on every read.
+drafted) at every output of a speculative-arm request; a bin shows the mean of its samples, so
+it is the decision the controller made while speculative requests ran (an idle engine decides
+nothing, and its bins stay empty).
 
 Not thread-safe: it is fed and read on the server's event loop.
 """
@@ -78,7 +80,6 @@ class RollingWindow:
         bin_s: float = DEFAULT_BIN_S,
         clock: Callable[[], float] = time.time,
         controller: Callable[[], ControllerState | None] | None = None,
-        controller_every_s: float = 1.0,
     ) -> None:
         if not (bin_s > 0 and window_s >= bin_s):
             raise ValueError(f"need 0 < bin_s <= window_s, got {bin_s} and {window_s}")
@@ -86,10 +87,8 @@ class RollingWindow:
         self.bin_s = bin_s
         self.clock = clock
         self.controller = controller
-        self.controller_every_s = controller_every_s
         self._series: dict[tuple[str, str], deque[_Bin]] = {}
         self._controller_bins: deque[_ControllerBin] = deque()
-        self._last_sample = -math.inf
 
     # ---- feeding (RequestTracker calls these) -----------------------------------------------
     def first_token(self, model: str, arm: str, ttft_s: float) -> None:
@@ -112,7 +111,7 @@ class RollingWindow:
         b.accepted_tokens += accepted_tokens
         b.target_steps += target_steps
         b.emitted_tokens += emitted_tokens
-        if self.clock() - self._last_sample >= self.controller_every_s:
+        if arm == "spec":
             self.sample_controller()
 
     def finished(self, model: str, arm: str, tpot_s: float | None) -> None:
@@ -124,10 +123,9 @@ class RollingWindow:
     def sample_controller(self) -> None:
         """Record the controller's latest decision in the current bin."""
         state = self.controller() if self.controller is not None else None
-        now = self.clock()
-        self._last_sample = now
         if state is None:
             return
+        now = self.clock()
         start = self._bin_start(now)
         bins = self._controller_bins
         if not bins or bins[-1].start != start:
@@ -142,7 +140,6 @@ class RollingWindow:
     def snapshot(self) -> dict[str, Any]:
         """Every series' points (one per non-empty bin, oldest first) and whole-window totals,
         plus the controller's sampled decisions; JSON-ready."""
-        self.sample_controller()
         now = self.clock()
         series = []
         for (model, arm), bins in sorted(self._series.items()):

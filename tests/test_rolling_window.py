@@ -72,18 +72,20 @@ def test_old_bins_expire():
     assert w.snapshot()["series"] == []
 
 
-def test_controller_samples_while_outputs_flow_and_on_read():
+def test_controller_samples_at_speculative_outputs():
     clock = Clock(1000.0)
-    state = [ControllerState(4.0, 1.0)]
+    state = [ControllerState(6.0, 1.0)]
     w = RollingWindow(window_s=60, bin_s=5, clock=clock, controller=lambda: state[0])
     w.progress("m", "spec", 1, 0, 0, 0, 0)
+    w.progress("m", "spec", 1, 0, 0, 0, 0)
     state[0] = ControllerState(0.0, 0.0)
-    clock.t = 1000.5  # under a second later: not sampled
+    w.progress("m", "plain", 1, 0, 0, 0, 0)  # plain outputs do not sample
     w.progress("m", "spec", 1, 0, 0, 0, 0)
     clock.t = 1001.0
-    snap = w.snapshot()  # a read samples too
+    state[0] = ControllerState(3.0, 0.5)
+    snap = w.snapshot()  # a read does not sample: an idle engine decides nothing
     (point,) = snap["controller_series"]
-    assert point == {"t": 1000.0, "mean_k": 2.0, "speculating_fraction": 0.5}
+    assert point == {"t": 1000.0, "mean_k": 4.0, "speculating_fraction": 2 / 3}
     # No policy: nothing is sampled.
     bare = RollingWindow(clock=clock, controller=lambda: None)
     bare.progress("m", "plain", 1, 0, 0, 0, 0)
