@@ -121,6 +121,11 @@ def build_draft_engine(engine: LLMEngine, num_blocks: int | None = None) -> LLME
         per_block = bytes_per_block([engine.draft.arch], config.page_size, engine.dtype)
         share = engine.allocator.num_blocks // DEFAULT_DRAFT_POOL_DIVISOR
         num_blocks = max(need, min(share, DEFAULT_DRAFT_POOL_MAX_BYTES // per_block))
+    if num_blocks < need:
+        raise ConfigError(
+            f"--draft-num-kv-blocks {num_blocks} cannot hold one sequence of max_model_len="
+            f"{max_len} ({need} blocks of {config.page_size} tokens)"
+        )
     draft_config = dataclasses.replace(
         config,
         model=config.draft_model or "",
