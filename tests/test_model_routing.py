@@ -97,7 +97,7 @@ def test_draft_engine_shares_the_weights_and_decodes_like_the_draft_alone(monkey
     with pytest.raises(ConfigError, match="no draft model"):
         build_draft_engine(make_engine(target_hf))
     # A pool that cannot hold one max_model_len sequence is refused.
-    with pytest.raises(ConfigError, match="cannot hold one sequence"):
+    with pytest.raises(ConfigError, match="--draft-num-kv-blocks 2 cannot hold one sequence"):
         build_draft_engine(engine, num_blocks=2)
 
 
