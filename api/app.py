@@ -13,10 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from specdec.api.ab import ARM_HEADER, SPECULATIVE_HEADER, ArmAssigner
+from specdec.api.dashboard import controller_source, install_dashboard
 from specdec.api.errors import APIError, install_error_handlers
 from specdec.api.json_text import JSONText
 from specdec.api.metrics import ServerMetrics
 from specdec.api.middleware import BodySizeLimitMiddleware, UnhandledErrorMiddleware
+from specdec.api.model_routing import Backend, ModelRouter, RoutingSettings
 from specdec.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -29,6 +31,7 @@ from specdec.api.protocol import (
     ModelList,
     SpeculationHealth,
 )
+from specdec.api.rolling_window import RollingWindow
 from specdec.api.serving import OpenAIServing
 from specdec.api.settings import ServerSettings
 from specdec.engine.async_engine import AsyncEngine
@@ -60,27 +63,39 @@ def _stream_doc(model: type) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """Build the app for one engine. The lifespan starts the engine loop (unless already
-    running) and stops it at shutdown."""
+def create_app(
+    engine: AsyncEngine,
+    settings: ServerSettings,
+    draft_engine: AsyncEngine | None = None,
+    routing: RoutingSettings | None = None,
+) -> FastAPI:
+    """Build the app for one engine, and optionally ``draft_engine`` serving the draft model as
+    ``routing.draft_served_name`` (api.model_routing). The lifespan starts the engine loops
+    (unless already running) and stops them at shutdown."""
     config = engine.engine.config
-    metrics = ServerMetrics(settings.model_name)
+    metrics = ServerMetrics(
+        settings.model_name, RollingWindow(controller=controller_source(engine))
+    )
     assigner = ArmAssigner(
         config.speculative_mode,
         has_proposer=engine.engine.proposer is not None,
         split=settings.ab_split,
         seed=settings.ab_seed,
     )
-    serving = OpenAIServing(engine, settings, metrics, assigner)
+    router = _router(engine, settings, assigner, draft_engine, routing)
+    serving = OpenAIServing(engine, settings, metrics, assigner, router)
     created = int(time.time())
+    engines = [b.engine for b in router.backends]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if not engine.is_alive and engine.error is None:
-            engine.start()
+        for e in engines:
+            if not e.is_alive and e.error is None:
+                e.start()
         _log_ready(engine, settings)
         yield
-        await asyncio.to_thread(engine.stop)
+        for e in engines:
+            await asyncio.to_thread(e.stop)
         if serving.prompts is not None:
             serving.prompts.shutdown()
 
@@ -121,16 +136,33 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return await serving.completion(body, request)
 
     def model_cards() -> list[ModelCard]:
-        return [
+        draft_model = config.draft_model if engine.engine.proposer is not None else None
+        cards = [
             ModelCard(
                 id=name,
                 created=created,
                 root=config.model,
                 max_model_len=engine.engine.max_model_len,
-                draft_model=config.draft_model if engine.engine.proposer is not None else None,
+                draft_model=draft_model,
             )
             for name in settings.served_model_names
         ]
+        if router.draft is not None:
+            d = router.draft
+            cards.append(
+                ModelCard(id=d.name, created=created, root=d.root, max_model_len=d.max_model_len)
+            )
+        if router.router_name is not None:
+            # Long requests go to the target, so the target's limit is the router's.
+            cards.append(
+                ModelCard(
+                    id=router.router_name,
+                    created=created,
+                    root="router",
+                    max_model_len=engine.engine.max_model_len,
+                )
+            )
+        return cards
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -160,8 +192,31 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         data = metrics.render(engine.snapshot, engine.is_alive)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    install_dashboard(app, engine, settings, metrics.window, router.names)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _router(
+    engine: AsyncEngine,
+    settings: ServerSettings,
+    assigner: ArmAssigner,
+    draft_engine: AsyncEngine | None,
+    routing: RoutingSettings | None,
+) -> ModelRouter:
+    target = Backend(settings.model_name, engine.engine.config.model, engine, assigner)
+    draft = None
+    if draft_engine is not None:
+        if routing is None or routing.draft_served_name is None:
+            raise ValueError("a draft engine needs routing settings naming it (resolve_routing)")
+        config = draft_engine.engine.config
+        draft = Backend(
+            routing.draft_served_name,
+            config.model,
+            draft_engine,
+            ArmAssigner(config.speculative_mode, has_proposer=False),
+        )
+    return ModelRouter(target, settings.served_model_names, draft, routing)
 
 
 def _check_ready(engine: AsyncEngine) -> None:

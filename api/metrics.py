@@ -24,6 +24,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from specdec.api.rolling_window import RollingWindow
 from specdec.engine.async_engine import EngineSnapshot
 from specdec.engine.outputs import RequestOutput
 
@@ -41,8 +42,10 @@ disable_created_metrics()
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, window: RollingWindow | None = None) -> None:
         self.model_name = model_name
+        # The same measurements, binned over the last minutes, for the live A/B page.
+        self.window = window or RollingWindow()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         labels = REQUEST_LABELS
@@ -171,18 +174,26 @@ class ServerMetrics:
     def rejected(self, status: int) -> None:
         self.request_rejected.labels(self.model_name, str(status)).inc()
 
-    def tracker(self, arm: str, arrival_time: float, num_prompt_tokens: int) -> RequestTracker:
-        return RequestTracker(self, arm, arrival_time, num_prompt_tokens)
+    def tracker(
+        self, arm: str, arrival_time: float, num_prompt_tokens: int, model_name: str | None = None
+    ) -> RequestTracker:
+        """``model_name``: the served model answering (default: the server's model name)."""
+        return RequestTracker(self, arm, arrival_time, num_prompt_tokens, model_name)
 
 
 class RequestTracker:
     """Feeds one request's outputs into the metrics as they arrive."""
 
     def __init__(
-        self, metrics: ServerMetrics, arm: str, arrival_time: float, num_prompt_tokens: int
+        self,
+        metrics: ServerMetrics,
+        arm: str,
+        arrival_time: float,
+        num_prompt_tokens: int,
+        model_name: str | None = None,
     ) -> None:
         self.metrics = metrics
-        self.labels = (metrics.model_name, arm)
+        self.labels = (model_name or metrics.model_name, arm)
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.last_output_time: float | None = None
@@ -193,6 +204,8 @@ class RequestTracker:
         self._draft_tokens = 0
         self._accepted = 0
         self._per_pos: list[int] = []
+        self._target_steps = 0
+        self._emitted = 0
         self.done = False
 
     def observe(self, out: RequestOutput) -> None:
@@ -202,6 +215,7 @@ class RequestTracker:
             if self.first_token_time is None:
                 self.first_token_time = now
                 m.ttft.labels(*labels).observe(now - self.arrival_time)
+                m.window.first_token(*labels, now - self.arrival_time)
             elif self.last_output_time is not None:
                 m.itl.labels(*labels).observe(now - self.last_output_time)
             self.last_output_time = now
@@ -214,8 +228,17 @@ class RequestTracker:
             before = self._per_pos[pos] if pos < len(self._per_pos) else 0
             if count > before:
                 m.accepted_per_pos.labels(*labels, str(pos)).inc(count - before)
+        m.window.progress(
+            *labels,
+            new_tokens=len(out.new_token_ids),
+            draft_tokens=s.num_draft_tokens - self._draft_tokens,
+            accepted_tokens=s.num_accepted_tokens - self._accepted,
+            target_steps=s.num_target_steps - self._target_steps,
+            emitted_tokens=s.num_emitted_tokens - self._emitted,
+        )
         self._drafts, self._draft_tokens = s.num_spec_steps, s.num_draft_tokens
         self._accepted, self._per_pos = s.num_accepted_tokens, list(s.accepted_per_pos)
+        self._target_steps, self._emitted = s.num_target_steps, s.num_emitted_tokens
         if out.finished:
             self.finish(out.finish_reason or "stop")
 
@@ -230,6 +253,8 @@ class RequestTracker:
         m.generation_tokens.labels(*labels).inc(self.num_output_tokens)
         m.request_success.labels(*labels, reason).inc()
         m.e2e.labels(*labels).observe(now - self.arrival_time)
+        tpot = None
         if self.first_token_time is not None and self.num_output_tokens > 1:
             tpot = (now - self.first_token_time) / (self.num_output_tokens - 1)
             m.tpot.labels(*labels).observe(tpot)
+        m.window.finished(*labels, tpot)

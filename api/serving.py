@@ -2,9 +2,11 @@
 
 Order of work for one request, every refusal happening before the engine sees it:
 model name -> unsupported options -> sampling params (every range) -> prompt length bound and
-token ids (api.tokenization: bounded pools off the event loop) -> length checks -> A/B arm -> submit to the engine loop (which validates again and may answer 429 or
-503) -> stream or collect the outputs. A client that disconnects, or a request that outlives the
-request timeout, is aborted so its KV blocks return to the pool.
+token ids (api.tokenization: bounded pools off the event loop) -> the model that answers
+(api.model_routing) -> length checks -> A/B arm -> submit to that model's engine loop (which
+validates again and may answer 429 or 503) -> stream or collect the outputs. A client that
+disconnects, or a request that outlives the request timeout, is aborted so its KV blocks return to
+the pool.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from specdec.api.errors import APIError
 from specdec.api.formatting import ChatFormatter, CompletionFormatter, ResponseInfo
 from specdec.api.json_text import JSONText, dumps
 from specdec.api.metrics import RequestTracker, ServerMetrics
+from specdec.api.model_routing import MODEL_HEADER, Backend, ModelRouter
 from specdec.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from specdec.api.settings import ServerSettings
 from specdec.api.tokenization import PromptTokenizer
@@ -39,6 +42,7 @@ class Prepared:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    backend: Backend  # the model that answers
     assignment: Assignment
     stream: bool
     include_usage: bool
@@ -142,11 +146,17 @@ class OpenAIServing:
         settings: ServerSettings,
         metrics: ServerMetrics,
         assigner: ArmAssigner,
+        router: ModelRouter | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
         self.assigner = assigner
+        # Without a router, every served name is the target's.
+        self.router = router or ModelRouter(
+            Backend(settings.model_name, engine.engine.config.model, engine, assigner),
+            settings.served_model_names,
+        )
         self.max_model_len = engine.engine.max_model_len
         self.max_tokens_limit = settings.max_tokens_limit
         tokenizer: Tokenizer | None = engine.engine.tokenizer
@@ -200,15 +210,8 @@ class OpenAIServing:
 
     # ---- checks -----------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> str:
-        if name is None or name in self.settings.served_model_names:
-            return self.settings.model_name
-        served = ", ".join(self.settings.served_model_names)
-        raise APIError(
-            404,
-            f"the model {name!r} does not exist on this server (it serves: {served})",
-            param="model",
-            code="model_not_found",
-        )
+        """The requested model name, or 404 (api.model_routing)."""
+        return self.router.resolve(name)
 
     def _prepare(
         self,
@@ -222,14 +225,20 @@ class OpenAIServing:
     ) -> Prepared:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        params = fill_max_tokens(params, len(prompt_ids), self.max_model_len, self.max_tokens_limit)
-        self.engine.engine.check_lengths(len(prompt_ids), params)
-        assignment = self.assigner.assign(body.speculative, request.headers.get(SPECULATIVE_HEADER))
+        header_mode = request.headers.get(SPECULATIVE_HEADER)
+        backend = self.router.route(
+            model, len(prompt_ids), params.max_tokens, body.speculative, header_mode
+        )
+        params = fill_max_tokens(
+            params, len(prompt_ids), backend.max_model_len, self.max_tokens_limit
+        )
+        backend.engine.engine.check_lengths(len(prompt_ids), params)
+        assignment = backend.assigner.assign(body.speculative, header_mode)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         info = ResponseInfo(
             response_id=request_id,
             created=int(time.time()),
-            model=model,
+            model=backend.name,
             arm=assignment.arm,
             mode=assignment.mode,
             num_prompt_tokens=len(prompt_ids),
@@ -238,6 +247,7 @@ class OpenAIServing:
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
+            backend=backend,
             assignment=assignment,
             stream=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -247,21 +257,24 @@ class OpenAIServing:
 
     # ---- generation -------------------------------------------------------------------------
     async def _generate(self, prep: Prepared, request: Request, formatter) -> Response:
-        stream = await self.engine.add_request(
+        engine = prep.backend.engine
+        stream = await engine.add_request(
             prep.request_id,
             prep.prompt_ids,
             prep.params,
             prep.assignment.mode,
             arrival_time=prep.arrival_time,
         )
-        tracker = self.metrics.tracker(prep.assignment.arm, prep.arrival_time, len(prep.prompt_ids))
-        headers = {ARM_HEADER: prep.assignment.arm}
+        tracker = self.metrics.tracker(
+            prep.assignment.arm, prep.arrival_time, len(prep.prompt_ids), prep.backend.name
+        )
+        headers = {ARM_HEADER: prep.assignment.arm, MODEL_HEADER: prep.backend.name}
         if prep.stream:
 
             async def on_disconnect(message) -> None:
                 # Also covers a client gone before the first event, when the event generator
                 # never started and so never reaches its own clean-up.
-                self.engine.abort(prep.request_id)
+                engine.abort(prep.request_id)
 
             return EventSourceResponse(
                 self._events(prep, stream, tracker, formatter),
@@ -310,7 +323,7 @@ class OpenAIServing:
             disconnect.cancel()
             if not consumer.done():
                 consumer.cancel()
-                self.engine.abort(prep.request_id)
+                prep.backend.engine.abort(prep.request_id)
         if consumer in done:
             try:
                 return consumer.result()
@@ -352,7 +365,7 @@ class OpenAIServing:
         finally:
             if not finished:
                 # Disconnect (the task is cancelled at an await), timeout or engine failure.
-                self.engine.abort(prep.request_id)
+                prep.backend.engine.abort(prep.request_id)
                 tracker.finish(reason)
         yield "[DONE]"
 

@@ -61,7 +61,8 @@ def stream_chat(client, **kwargs) -> tuple[str, list, object]:
 
 def test_models_and_health(server):
     models = httpx.get(f"{server.url}/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    # The draft (here the target's own directory) is served too, under "<basename>-draft".
+    assert [m["id"] for m in models["data"]] == [MODEL, f"{MODEL}-draft"]
     assert models["data"][0]["max_model_len"] == 256
     assert httpx.get(f"{server.url}/v1/models/{MODEL}").status_code == 200
     missing = httpx.get(f"{server.url}/v1/models/nope")

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from specdec.api.engine_args import add_engine_arguments, config_from_args
+from specdec.api.model_routing import add_routing_arguments, build_draft_engine, routing_from_args
 from specdec.api.settings import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -87,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "control tokens, for trusted clients; by default it is plain text (completion prompts "
         "are always parsed)",
     )
+    add_routing_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -124,12 +126,18 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     settings = settings_from_args(args, config)  # refuse bad server flags before loading models
+    routing = routing_from_args(args, config, settings)
     engine = LLMEngine(config)  # pulls the default pair on first run, with progress bars
     hooks = loop_hooks_from_env()
     if hooks.active:
         logger.warning("test hooks active: %s", hooks)
     async_engine = AsyncEngine(engine, max_queue_len=settings.max_queue_len, hooks=hooks)
-    app = create_app(async_engine, settings)
+    draft_engine = None
+    if routing.serve_draft:
+        draft = build_draft_engine(engine, routing.draft_num_kv_blocks)
+        draft_engine = AsyncEngine(draft, max_queue_len=settings.max_queue_len)
+        logger.info("serving the draft model as %r too (plain decode)", routing.draft_served_name)
+    app = create_app(async_engine, settings, draft_engine, routing)
     level = str(getattr(args, "log_level", "info")).lower()
     uvicorn.run(
         app,
