@@ -98,15 +98,8 @@ class ForwardCost:
         self._live_y.append(seconds)
         self._dirty = True
 
-    def base(self, x: np.ndarray) -> float:
-        """Seconds at pace 1 for features ``x``."""
-        if self._dirty:
-            self._refit()
-        return float(x @ self._theta)
-
     def base_of(self, shape: ForwardShape) -> float:
-        """Seconds at pace 1 of one forward: the same value as ``base(features([shape]))``,
-        computed without arrays (the policy prices many shapes a step)."""
+        """Seconds at pace 1 of one forward (without arrays: the policy prices many a step)."""
         if self._dirty:
             self._refit()
         knots, c_seq, c_attn, c_samp = self._knot_values, self._c_seq, self._c_attn, self._c_samp
@@ -217,10 +210,10 @@ class StepCostModel:
         draft_seconds: float,
     ) -> None:
         """One live step: the target forward (with the step's host work) and its draft forwards."""
-        parts = [(self.target, features([target]), target_seconds)]
+        parts = [(self.target, [target], target_seconds)]
         if draft_forwards:
-            parts.append((self.draft, features(draft_forwards), draft_seconds))
-        predicted = sum(cost.base(x) for cost, x, _ in parts)
+            parts.append((self.draft, draft_forwards, draft_seconds))
+        predicted = sum(cost.base_of(f) for cost, shapes, _ in parts for f in shapes)
         measured = target_seconds + draft_seconds
         if predicted <= 0.0 or measured <= 0.0:
             return
@@ -234,5 +227,5 @@ class StepCostModel:
         if last is not None and normalized > STALL_RATIO * last:
             return
         self._last_by_shape[key] = normalized
-        for cost, x, seconds in parts:
-            cost.add(x, seconds / self.speed)
+        for cost, shapes, seconds in parts:
+            cost.add(features(shapes), seconds / self.speed)
