@@ -27,7 +27,15 @@ def test_measure_times_target_and_draft_shapes_and_frees_every_block():
     free = engine.allocator.num_free_blocks
     spec = CalibrationSpec(4, k_max=3, max_rows=64, max_context=256, budget_seconds=5.0, repeats=1)
     machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
-    table = measure(engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+    ticks = iter(range(1, 10**9))  # a clock of 1 ms ticks: which shapes fit the budget is fixed
+    table = measure(
+        engine.target_runner,
+        engine.proposer.runner,
+        engine.allocator,
+        spec,
+        machine,
+        clock=lambda: next(ticks) * 1e-3,
+    )
     assert engine.allocator.num_free_blocks == free
     target = [s for s in table.samples if s.model == "target"]
     draft = [s for s in table.samples if s.model == "draft"]

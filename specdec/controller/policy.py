@@ -92,18 +92,12 @@ class StepObservation:
 class SpeculationPolicy(Protocol):
     """What the engine asks each step, and what it tells afterwards."""
 
-    def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
-        """Drafts for each decode-ready sequence (0: plain decode, no draft work for it), given
-        the prompt chunks the step carries beside them."""
-        ...
+    # ks per decode-ready sequence (0: plain decode), given the step's prompt chunks
+    def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision: ...
 
-    def observe(self, obs: StepObservation) -> None:
-        """One measured step."""
-        ...
+    def observe(self, obs: StepObservation) -> None: ...  # one measured step
 
-    def stats(self) -> dict:
-        """Current decision inputs and outputs, for metrics and logs."""
-        ...
+    def stats(self) -> dict: ...  # current decision inputs and outputs, for metrics and logs
 
 
 def keep_drafting(confidences: Seq[float], position: int, stop: DraftStop) -> bool:
@@ -189,7 +183,8 @@ class AdaptivePolicy:
         tables = self._tables(seqs)
         held = self._evaluate_held(seqs, auto, tables, pinned, prefill)
         decode_only = prefill.seqs == 0
-        explore = self._exploration_due(decode_only)
+        self._since_explore += decode_only  # decode-only steps since a runner-up last ran
+        explore = decode_only and self._since_explore >= EXPLORE_INTERVAL
         if (
             held.k == 0
             and not explore
@@ -262,7 +257,11 @@ class AdaptivePolicy:
         """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
         seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill))
         drafting = [
-            (k, self._catch_up(s, self._table_of(s)[min(k, self.k_max)], amortize), _sampled(s))
+            (
+                k,
+                self._catch_up(s, self._table_cache[s.seq_id][1][min(k, self.k_max)], amortize),
+                _sampled(s),
+            )
             for s, k in zip(seqs, ks, strict=True)
             if k
         ]
@@ -347,9 +346,6 @@ class AdaptivePolicy:
         steps_left = max(1.0, left / expected)
         return _KEPT_PACE + math.ceil((lag - _KEPT_PACE) / steps_left)
 
-    def _table_of(self, seq: Sequence) -> list[float]:
-        return self._table_cache[seq.seq_id][1]
-
     def _evaluate_held(self, seqs, auto, tables, pinned, prefill) -> _Candidate:
         k, share = self._held
         ks = list(pinned)
@@ -379,13 +375,6 @@ class AdaptivePolicy:
             return choice
         self._since_explore = 0
         return runner_up
-
-    def _exploration_due(self, decode_only: bool) -> bool:
-        """Counts decode-only steps; True once ``EXPLORE_INTERVAL`` passed since the last run of
-        a runner-up."""
-        if decode_only:
-            self._since_explore += 1
-        return decode_only and self._since_explore >= EXPLORE_INTERVAL
 
     def _draft_stop(
         self, seqs, ks: list[int], choice: _Candidate, prefill: PrefillShape

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import nnls
 
 COST_WINDOW = 256  # live steps kept for the fit: minutes of serving, every recent shape in it
 CALIBRATION_WEIGHT = 0.25  # a bare forward counts a quarter of a live step where both exist
@@ -45,27 +46,22 @@ class ForwardShape:
     sampled: int = 0
 
 
-def _features(shape: ForwardShape) -> np.ndarray:
-    """Linear features of one forward: interpolation weights on the knots, seqs, attention."""
-    x = np.zeros(_NUM_PARAMS)
-    r = min(max(shape.rows, 1), _KNOTS[-1])
-    i = min(int(np.searchsorted(_KNOTS, r, side="right")) - 1, len(_KNOTS) - 2)
-    lo, hi = _KNOTS[i], _KNOTS[i + 1]
-    w = (r - lo) / (hi - lo)
-    x[i] += 1.0 - w
-    x[i + 1] += w
-    x[-3] = shape.seqs
-    x[-2] = shape.attended * _ATTN_SCALE
-    x[-1] = shape.sampled
-    return x
+def _knot(rows: int) -> tuple[int, float]:
+    """(i, w): ``rows`` lies a share w of the way from knot i to knot i + 1."""
+    r = min(max(rows, 1), _KNOTS[-1])
+    i = min(bisect_right(_KNOTS, r) - 1, len(_KNOTS) - 2)
+    return i, (r - _KNOTS[i]) / (_KNOTS[i + 1] - _KNOTS[i])
 
 
 def features(shapes: Iterable[ForwardShape]) -> np.ndarray:
-    """Features of a sum of forwards (a step's draft forwards, or one target forward)."""
-    total = np.zeros(_NUM_PARAMS)
+    """Linear features of a sum of forwards (a step's draft forwards, or one target forward):
+    interpolation weights on the knots, sequences, attention pairs, sampled rows."""
+    x = np.zeros(_NUM_PARAMS)
     for s in shapes:
-        total += _features(s)
-    return total
+        i, w = _knot(s.rows)
+        x[i : i + 2] += (1.0 - w, w)
+        x[-3:] += (s.seqs, s.attended * _ATTN_SCALE, s.sampled)
+    return x
 
 
 class ForwardCost:
@@ -103,9 +99,7 @@ class ForwardCost:
         if self._dirty:
             self._refit()
         knots, c_seq, c_attn, c_samp = self._knot_values, self._c_seq, self._c_attn, self._c_samp
-        r = min(max(shape.rows, 1), _KNOTS[-1])
-        i = min(bisect_right(_KNOTS, r) - 1, len(_KNOTS) - 2)
-        w = (r - _KNOTS[i]) / (_KNOTS[i + 1] - _KNOTS[i])
+        i, w = _knot(shape.rows)
         return (
             knots[i] * (1.0 - w)
             + knots[i + 1] * w
@@ -130,35 +124,16 @@ class ForwardCost:
         prior[0] = self._prior
         a = np.vstack([x * w[:, None], _SLOPE_PENALTY, np.diag(_RIDGE)])
         b = np.concatenate([y * w, np.zeros(len(_SLOPE_PENALTY)), prior * _RIDGE])
-        self._theta = _MONOTONE @ _non_negative_lstsq(a, b)
+        self._theta = _MONOTONE @ nnls(a, b)[0]
         self._knot_values = self._theta[: len(_KNOTS)].tolist()
         self._c_seq, self._c_attn, self._c_samp = (float(v) for v in self._theta[-3:])
-
-
-def _non_negative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with every parameter >= 0: solve, pin the most negative parameter at zero,
-    solve again (an active-set loop; at most one pass per parameter)."""
-    free = np.ones(a.shape[1], dtype=bool)
-    theta = np.zeros(a.shape[1])
-    while free.any():
-        sol = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-        if (sol >= 0).all():
-            theta[free] = sol
-            break
-        idx = np.flatnonzero(free)[np.argmin(sol)]
-        free[idx] = False
-    return theta
 
 
 def _monotone_basis() -> np.ndarray:
     """Maps (W(1), rise to knot 2, ..., rise to the last knot, c_seq, c_attn, c_samp) to the knot
     values and the coefficients: non-negative rises make W non-decreasing."""
-    n = len(_KNOTS)
-    m = np.zeros((_NUM_PARAMS, _NUM_PARAMS))
-    for i in range(n):
-        m[i, : i + 1] = 1.0
-    for j in range(n, _NUM_PARAMS):
-        m[j, j] = 1.0
+    m = np.eye(_NUM_PARAMS)
+    m[: len(_KNOTS), : len(_KNOTS)] = np.tril(np.ones((len(_KNOTS), len(_KNOTS))))
     return m
 
 
