@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.controller.policy import DraftStop, keep_drafting
+from specdec.controller.policy import DraftStop, draft_value, drafts_to_continue
 from specdec.controller.step_cost import ForwardShape
 from specdec.engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_probs
 from specdec.engine.model_runner import ModelRunner, RunEntry
@@ -42,8 +42,8 @@ class Proposer(Protocol):
 
     def propose(self, items: list[ScheduledSeq], stop: DraftStop | None = None) -> Drafts:
         """Draft up to item.num_spec_tokens tokens after each item's sequence (one per item).
-        With ``stop``, an 'auto' sequence drafts a further token only while ``keep_drafting``
-        says its drafts so far make it pay. An item with k = 0 and ``num_draft_catchup_tokens``
+        With ``stop``, 'auto' sequences draft a further token only as many as
+        ``drafts_to_continue`` says pay for it together, by their drafts so far. An item with k = 0 and ``num_draft_catchup_tokens``
         only reads that many tokens into the draft's K/V."""
         ...
 
@@ -142,16 +142,9 @@ class DraftModelProposer:
                     confidence[i].append(conf[row])
                 seq.num_draft_computed_tokens = seq.num_tokens + step
             step += 1
-            active = [
-                i
-                for i in active
-                if items[i].num_spec_tokens > step
-                and (
-                    stop is None
-                    or items[i].seq.spec_mode != "auto"
-                    or keep_drafting(confidence[i], step, stop)
-                )
-            ]
+            active = [i for i in active if items[i].num_spec_tokens > step]
+            if stop is not None:
+                active = _continuing(items, active, confidence, step, stop)
         out = []
         for i, it in enumerate(items):
             if not tokens[i]:
@@ -163,6 +156,23 @@ class DraftModelProposer:
             else:
                 out.append(Proposal(tokens[i], torch.stack(probs[i]), confidence[i]))
         return Drafts(out, forwards)
+
+
+def _continuing(
+    items: list[ScheduledSeq],
+    active: list[int],
+    confidence: list[list[float]],
+    step: int,
+    stop: DraftStop,
+) -> list[int]:
+    """The active sequences that draft position ``step``: every pinned ('on') one, and the
+    'auto' ones of highest value that ``drafts_to_continue`` keeps."""
+    auto = [i for i in active if items[i].seq.spec_mode == "auto"]
+    values = {i: draft_value(confidence[i], step, stop) for i in auto}
+    ranked = sorted(auto, key=lambda i: -values[i])
+    m = drafts_to_continue([values[i] for i in ranked], len(active) - len(auto), stop)
+    kept = set(ranked[:m])
+    return [i for i in active if i in kept or items[i].seq.spec_mode != "auto"]
 
 
 def _shape(entries: list[RunEntry]) -> ForwardShape:

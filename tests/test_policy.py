@@ -23,7 +23,8 @@ from specdec.controller.policy import (
     SeqOutcome,
     SpecDecision,
     StepObservation,
-    keep_drafting,
+    draft_value,
+    drafts_to_continue,
 )
 from specdec.controller.step_cost import ForwardShape, StepCostModel
 
@@ -230,11 +231,22 @@ def test_decisions_are_a_function_of_their_inputs():
     assert trace(5) == trace(5)
 
 
-def test_keep_drafting_follows_calibrated_reach():
+def test_draft_value_follows_calibrated_reach():
     table = ((0.5,), (0.3, 0.95))  # below 0.5: 30% accepted; above: 95%
-    stop = DraftStop(table, (0.8, 0.8, 0.8), min_value=0.5)
-    assert keep_drafting([0.9, 0.9], 2, stop)  # 0.95^2 * 0.8 = 0.72
-    assert not keep_drafting([0.9, 0.2], 2, stop)  # 0.95 * 0.3 * 0.8 = 0.23
+    stop = DraftStop(table, (0.8, 0.8, 0.8), goodput=10.0, marginal_seconds=(0.1,))
+    assert draft_value([0.9, 0.9], 2, stop) == pytest.approx(0.95**2 * 0.8)
+    assert draft_value([0.9, 0.2], 2, stop) == pytest.approx(0.95 * 0.3 * 0.8)
+
+
+def test_a_draft_forward_runs_only_if_the_sequences_in_it_pay_for_it_together():
+    # One more position: a 0.1 s draft forward whatever its rows, plus 1 ms a sequence.
+    marginal = tuple(0.1 + 0.001 * m for m in range(1, 9))
+    stop = DraftStop(((0.5,), (0.5, 0.9)), (0.9,) * 6, goodput=10.0, marginal_seconds=marginal)
+    assert drafts_to_continue([0.9], 0, stop) == 0  # 0.9 tokens < 10 tok/s * 0.101 s
+    assert drafts_to_continue([0.9] * 8, 0, stop) == 8  # 7.2 tokens > 10 * 0.108
+    assert drafts_to_continue([0.9, 0.9, 0.005], 0, stop) == 2  # the unsure one is not worth 1 ms
+    assert drafts_to_continue([0.9], 1, stop) == 1  # a pinned sequence pays the forward already
+    assert drafts_to_continue([], 0, stop) == 0
 
 
 def test_adaptive_draft_stop_keeps_sure_drafts_going_within_the_chosen_k():
@@ -244,7 +256,9 @@ def test_adaptive_draft_stop_keeps_sure_drafts_going_within_the_chosen_k():
     _run(policy, seqs, acceptance=0.85, draft_cost=0.01, steps=60, rng=rng)
     decision = policy.decide(seqs, PrefillShape())
     assert decision.ks[0] >= 3 and decision.stop is not None
-    assert keep_drafting([0.99] * 2, 2, decision.stop)  # sure drafts go on to the cap
+    sure = draft_value([0.99] * 2, 2, decision.stop)
+    assert drafts_to_continue([sure], 0, decision.stop) == 1  # sure drafts go on to the cap
+    assert drafts_to_continue([0.01], 0, decision.stop) == 0  # a hopeless one stops
 
 
 def test_the_proposer_never_drafts_past_the_chosen_k():
@@ -252,7 +266,7 @@ def test_the_proposer_never_drafts_past_the_chosen_k():
 
     target = tiny_hf_model(seed=0)
     engine = make_engine(target, noisy_copy(target, 0.01), num_speculative_tokens=6)
-    stop = DraftStop(((0.5,), (0.99, 0.99)), (0.99,) * 6, min_value=0.0)  # always go on
+    stop = DraftStop(((0.5,), (0.99, 0.99)), (0.99,) * 6, 0.0, (0.0,))  # always go on
 
     class CapAtTwo:
         def decide(self, seqs, prefill):

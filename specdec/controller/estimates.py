@@ -12,12 +12,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-# An exponential average over about 100 verifies: long enough to average out per-step luck,
-# short enough to follow a change of workload within a few requests.
+# About 100 verifies: averages out per-step luck, follows a new workload within a few requests.
 ACCEPTANCE_DECAY = 0.99
-# Pseudo-verifies behind every prior: the initial guess, the engine-wide rates a sequence's own
-# counts are shrunk towards, the pooled rate behind each confidence bin. Requests of one workload
-# differ by little more than binomial noise over a few verifies, which this many outweighs.
+# Pseudo-verifies behind every prior (the initial guess, the engine-wide rates a sequence is
+# shrunk towards, the pooled rate behind each confidence bin): requests of one workload differ by
+# little more than binomial noise over a few verifies, which this many outweighs.
 PRIOR_STRENGTH = 8.0
 # Upper edges of the confidence bins, dense near 1 where a draft model's confidences crowd.
 CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)

@@ -8,7 +8,7 @@ for every k and n on a grid, the step of highest predicted goodput::
 with ``E_i`` from ``estimates``, ``P`` the prompt chunks riding in the step, and the times from
 ``step_cost`` for the step's exact shape (draft catch-up included). One hysteresis band
 (``MARGIN``), one exploration rule (``EXPLORE_INTERVAL``, ``EXPLORE_BAND``), and a draft stop
-rule (``keep_drafting``) that never drafts past the chosen k. Decisions depend only on what
+rule (``drafts_to_continue``) that never drafts past the chosen k. Decisions depend only on what
 ``observe`` was given and the sequences' own counts, so a recorded run replays to the same
 decisions. docs/controller.md states the model and the reason for each default.
 """
@@ -53,12 +53,13 @@ class PrefillShape:
 
 @dataclass(frozen=True)
 class DraftStop:
-    """Plain data for ``keep_drafting``: confidence calibration, per-position acceptance, and the
-    least expected tokens one more draft must add."""
+    """Plain data for ``drafts_to_continue``: confidence calibration, per-position acceptance,
+    the step's goodput, and the seconds one more draft position by m sequences adds (at m - 1)."""
 
     table: tuple[tuple[float, ...], tuple[float, ...]]
     rates: tuple[float, ...]
-    min_value: float
+    goodput: float
+    marginal_seconds: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -100,15 +101,32 @@ class SpeculationPolicy(Protocol):
     def stats(self) -> dict: ...  # current decision inputs and outputs, for metrics and logs
 
 
-def keep_drafting(confidences: Seq[float], position: int, stop: DraftStop) -> bool:
-    """Whether a sequence whose drafts so far were drawn with ``confidences`` drafts position
-    ``position`` (0-based) too. Depends only on drafts already drawn, so the output distribution
-    is unchanged: the rejection rule verifies whatever length was drafted."""
+def draft_value(confidences: Seq[float], position: int, stop: DraftStop) -> float:
+    """Expected tokens a draft at ``position`` (0-based) adds to a sequence whose drafts so far
+    were drawn with ``confidences``: the chance they all hold, times the position's acceptance."""
     reach = 1.0
     for c in confidences:
         reach *= calibrated(stop.table, c)
-    rate = stop.rates[min(position, len(stop.rates) - 1)]
-    return reach * rate >= stop.min_value
+    return reach * stop.rates[min(position, len(stop.rates) - 1)]
+
+
+def drafts_to_continue(values: Seq[float], num_pinned: int, stop: DraftStop) -> int:
+    """How many of the sequences offering ``values`` (highest first) draft one more position
+    beside ``num_pinned`` that draft it anyway: the count whose added tokens, less the seconds
+    they add at the step's goodput, are most (a draft forward costs about the same for any rows,
+    so the sequences in it pay for it together). Reads only drafts already drawn, so the output
+    distribution is unchanged."""
+
+    def seconds(m: int) -> float:
+        return stop.marginal_seconds[min(m, len(stop.marginal_seconds)) - 1] if m else 0.0
+
+    best_m, best, total = 0, 0.0, 0.0
+    for m, value in enumerate(values, start=1):
+        total += value
+        net = total - stop.goodput * (seconds(num_pinned + m) - seconds(num_pinned))
+        if net > best:
+            best_m, best = m, net
+    return best_m
 
 
 class FixedPolicy:
@@ -164,8 +182,7 @@ class AdaptivePolicy:
         self.confidence = ConfidenceBins(initial_acceptance)
         self.cost = cost or StepCostModel()
         self.stop_drafts_early = stop_drafts_early and has_draft_model
-        # A lookup proposer drafts every position at once for free: no draft forwards to price.
-        self.has_draft_model = has_draft_model
+        self.has_draft_model = has_draft_model  # a lookup proposer's drafts cost no forwards
         self._held: tuple[int, float] = (0, 0.0)  # (k, share of the auto sequences drafting)
         self._since_explore = 0
         self._last: list[int] = []
@@ -173,7 +190,6 @@ class AdaptivePolicy:
         self._last_seconds = 0.0
         self._table_cache: dict[int, tuple[tuple[int, int], list[float]]] = {}
 
-    # ---- decision ---------------------------------------------------------------------------
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
         auto = [i for i, s in enumerate(seqs) if s.spec_mode == "auto"]
         pinned = [self.k_max if s.spec_mode == "on" else 0 for s in seqs]
@@ -233,9 +249,8 @@ class AdaptivePolicy:
         return out
 
     def _plain_is_safe(self, seqs, auto, tables, held: _Candidate, prefill: PrefillShape) -> bool:
-        """True when no candidate could beat the held plain decision by the margin. For each
-        count n on the candidates' grid, n drafting sequences commit at most the n largest
-        E_i(k_max) and cost at least n more target rows and one n-row draft forward."""
+        """True when no candidate could beat the held plain decision by the margin: n drafting
+        sequences add at most the n largest E_i(k_max) - 1, and n rows and an n-row forward."""
         gains = sorted((tables[i][self.k_max] - 1.0 for i in auto), reverse=True)
         base = _target_shape_of(seqs, held.ks, prefill)
         value, bar = held.goodput * held.seconds, held.goodput * (1.0 + MARGIN)
@@ -256,10 +271,12 @@ class AdaptivePolicy:
     ) -> tuple[float, float]:
         """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
         seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill))
+        tables = self._table_cache
         drafting = [
             (
                 k,
-                self._catch_up(s, self._table_cache[s.seq_id][1][min(k, self.k_max)], amortize),
+                1,
+                self._catch_up(s, tables[s.seq_id][1][min(k, self.k_max)], amortize),
                 _sampled(s),
             )
             for s, k in zip(seqs, ks, strict=True)
@@ -277,9 +294,8 @@ class AdaptivePolicy:
     def _candidates(self, seqs, auto, tables, pinned, prefill) -> list[_Candidate]:
         """Plain, and for every k the n sequences of highest E_i(k) drafting k, for n on a grid.
 
-        Each candidate adds its drafting sequences' rows, attention and value to the pinned
-        step's as running sums, so pricing one costs two cost-model calls, not a pass over the
-        batch."""
+        Each candidate adds its drafting sequences' rows, attention and value to the pinned step's
+        as running sums, so pricing one costs two cost-model calls, not a pass over the batch."""
         base = _target_shape_of(seqs, pinned, prefill)
         base_value = FIRST_TOKEN_WEIGHT * prefill.seqs
         on_catch_up, on_sampled = 0, 0
@@ -297,15 +313,8 @@ class AdaptivePolicy:
                 ForwardShape(base.rows + rows, base.seqs, base.attended + att, base.sampled + samp)
             )
             if (n or num_on) and self.has_draft_model:
-                first = ForwardShape(
-                    catch_up + on_catch_up, n + num_on, 0, drafts_sampled + on_sampled
-                )
-                later = []
-                for f in range(1, max(k if n else 0, on_k)):
-                    m = (n if f < k else 0) + num_on
-                    sampled = (drafts_sampled if f < k else 0) + on_sampled
-                    later.append(ForwardShape(m, m, 0, sampled))
-                seconds += self.cost.draft_time([first, *later])
+                groups = [(k, n, catch_up, drafts_sampled), (on_k, num_on, on_catch_up, on_sampled)]
+                seconds += self.cost.draft_time(_draft_forwards(groups))
             return seconds, base_value + value
 
         seconds, value = price(0, 0, 0, 0, 0, 0.0, 0, 0)
@@ -331,12 +340,10 @@ class AdaptivePolicy:
         return out
 
     def _catch_up(self, seq: Sequence, expected: float, amortize: bool = True) -> int:
-        """Draft rows a step that drafts for ``seq`` is charged: the one or two tokens a draft
-        that kept pace reads, plus the rest of its lag (a prompt it never read, steps it sat
-        out) spread over the steps the sequence has left at ``expected`` tokens a step. The
-        catch-up is paid once and serves every later step; charged whole to the first, no
-        sequence that sat plain for a while would ever start drafting again. A one-step trial
-        (``amortize`` False) is charged all of it: nothing later is sure to use it."""
+        """Draft rows a step that drafts for ``seq`` is charged: the 1-2 tokens a draft that kept
+        pace reads, plus the rest of its lag (a prompt it never read, steps it sat out) spread
+        over the steps the sequence has left at ``expected`` tokens a step, as it serves them
+        all. A one-step trial (``amortize`` False) is charged all of it."""
         lag = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
         if lag <= _KEPT_PACE or not amortize:
             return lag
@@ -379,17 +386,23 @@ class AdaptivePolicy:
     def _draft_stop(
         self, seqs, ks: list[int], choice: _Candidate, prefill: PrefillShape
     ) -> DraftStop:
-        """The least expected tokens one more draft position must add to pay its marginal time:
-        one more verify row and a share of one more draft forward, at the step's goodput."""
-        n = sum(1 for k in ks if k)
-        more = [k + 1 if k else 0 for k in ks]
-        longer, _ = self._step(seqs, more, prefill)
-        per_seq = (longer - choice.seconds) / n
-        return DraftStop(
-            self.confidence.table(), tuple(self.acceptance.rates()), choice.goodput * per_seq
-        )
+        """The stop rule's prices: the seconds m more verify rows (at the drafting sequences' mean
+        context) and one more m-row draft forward add, for every m."""
+        drafting = [s for s, k in zip(seqs, ks, strict=True) if k]
+        base = _target_shape_of(seqs, ks, prefill)
+        context = sum(s.num_tokens for s in drafting) // len(drafting)
+        sampled = sum(map(_sampled, drafting)) / len(drafting)
+        marginal = []
+        for m in range(1, len(drafting) + 1):
+            more = ForwardShape(base.rows + m, base.seqs, base.attended + m * context,
+                                base.sampled + round(m * sampled))  # fmt: skip
+            seconds = self.cost.target_time(more) - self.cost.target_time(base)
+            if self.has_draft_model:
+                seconds += self.cost.draft_time([ForwardShape(m, m, 0, round(m * sampled))])
+            marginal.append(seconds)
+        rates = tuple(self.acceptance.rates())
+        return DraftStop(self.confidence.table(), rates, choice.goodput, tuple(marginal))
 
-    # ---- feedback ---------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
         for o in obs.outcomes:
             if o.num_drafted:
@@ -410,8 +423,7 @@ class AdaptivePolicy:
 
 
 def _target_shape_of(seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape) -> ForwardShape:
-    """The target forward of a step where sequence i verifies ks[i] drafts beside the prompt
-    chunks of ``prefill``."""
+    """The target forward of a step: sequence i verifies ks[i] drafts, beside ``prefill``."""
     rows, attended, sampled = prefill.rows, prefill.attended, 0
     for s, k in zip(seqs, ks, strict=True):
         rows += 1 + k
@@ -425,17 +437,16 @@ def _sampled(seq: Sequence) -> int:
     return 0 if seq.params.greedy else 1
 
 
-def _draft_forwards(drafting: Seq[tuple[int, int, int]]) -> list[ForwardShape]:
-    """Forward 0 feeds each drafting sequence (k, catch-up rows, sampled) its catch-up; forward
-    f > 0 one token to each sequence drafting more than f tokens."""
-    first = ForwardShape(
-        sum(c for _, c, _ in drafting), len(drafting), 0, sum(s for *_, s in drafting)
-    )
-    forwards = [first]
-    for f in range(1, max(k for k, _, _ in drafting)):
-        n = sum(1 for k, _, _ in drafting if k > f)
-        sampled = sum(s for k, _, s in drafting if k > f)
-        forwards.append(ForwardShape(n, n, 0, sampled))
+def _draft_forwards(groups: Seq[tuple[int, int, int, int]]) -> list[ForwardShape]:
+    """The draft forwards of groups of drafting sequences (k, sequences, catch-up rows, sampled
+    sequences): forward 0 feeds every group its catch-up; forward f > 0 one token to each
+    sequence of the groups drafting more than f tokens."""
+    groups = [g for g in groups if g[0] and g[1]]
+    rows, seqs, sampled = (sum(g[i] for g in groups) for i in (2, 1, 3))
+    forwards = [ForwardShape(rows, seqs, 0, sampled)]
+    for f in range(1, max(g[0] for g in groups)):
+        n = sum(g[1] for g in groups if g[0] > f)
+        forwards.append(ForwardShape(n, n, 0, sum(g[3] for g in groups if g[0] > f)))
     return forwards
 
 

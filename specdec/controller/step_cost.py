@@ -1,17 +1,10 @@
 """Step cost: predicted seconds of a target forward and of a step's draft forwards, fitted online.
 
-A forward of ``r`` rows over ``s`` sequences attending to ``A`` (query, key) pairs, ``m`` of its
-rows sampled from a warped distribution, costs::
-
-    t(r, s, A, m) = speed * (W(r) + c_seq * s + c_attn * A + c_samp * m)
-
-``W`` is piecewise linear and non-decreasing between knots at powers of two (flat while a forward
-is memory-bound, rising once it is compute-bound). The fit is a non-negative least squares over
-the last ``COST_WINDOW`` live steps and the start-up calibration (weighted
-``CALIBRATION_WEIGHT``), with a slope-change penalty so that knots without data are interpolated.
-``speed`` is the median of the last ``SPEED_WINDOW`` measured/fitted ratios on shapes seen
-before; a step over ``STALL_RATIO`` times its shape's last measurement is left out of the fit.
-docs/controller.md has the details.
+``t(r, s, A, m) = speed * (W(r) + c_seq * s + c_attn * A + c_samp * m)`` for a forward of ``r``
+rows over ``s`` sequences attending to ``A`` (query, key) pairs with ``m`` sampled rows; ``W`` is
+piecewise linear and non-decreasing between knots at powers of two. A non-negative least squares
+over recent live steps and the start-up calibration fits it; ``speed`` is the machine's current
+pace. docs/controller.md states the model and the reason for each constant.
 """
 
 from __future__ import annotations
