@@ -174,11 +174,10 @@ class RemoteEngine:
         self._open[request_id] = gen
         try:
             first = await gen.__anext__()
-        except BackPressureError as exc:
+        except BackPressureError:
             self._open.pop(request_id, None)
             raise QueueFullError(
-                f"every replica is busy and {exc.num_queued_requests} requests already wait for "
-                f"one; retry later"
+                "every replica is busy and the ingress queue is full; retry later"
             ) from None
         except RayError as exc:
             self._open.pop(request_id, None)
