@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -16,9 +17,17 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 import httpx  # noqa: E402
-from helpers_cluster import ClusterHarness  # noqa: E402
-from helpers_server import build_script_model, metric_value, script_text, sse_events  # noqa: E402
+from helpers_server import (  # noqa: E402
+    ServerProcess,
+    build_script_model,
+    free_port,
+    metric_value,
+    script_text,
+    sse_events,
+    start_servers,
+)
 from ray import serve  # noqa: E402
+from specdec.api.cluster.background import BackgroundCluster  # noqa: E402
 from specdec.api.cluster.options import ClusterOptions  # noqa: E402
 from specdec.api.settings import ServerSettings  # noqa: E402
 from specdec.engine.config import EngineConfig  # noqa: E402
@@ -52,7 +61,7 @@ def cluster(tmp_path_factory):
     # Forwarded to the replicas: slow engine steps, so streams last long enough to interleave.
     os.environ["SPECDEC_STEP_DELAY_S"] = "0.01"
     try:
-        harness = ClusterHarness(config, settings, options, admin_token=TOKEN).start()
+        harness = BackgroundCluster(config, settings, options, admin_token=TOKEN).start()
     finally:
         del os.environ["SPECDEC_STEP_DELAY_S"]
     yield harness
@@ -237,10 +246,40 @@ def test_swap_under_steady_traffic_fails_no_request(client, cluster):
         t.join(60)
     assert failures == []
     assert before in served_by and after in served_by
-    assert served_by.index(after) > max(i for i, g in enumerate(served_by) if g == before) - 4
     # The old generation drains and its application is deleted.
     wait_for(lambda: before not in _app_names(), what="the old application deleted")
     assert after in _app_names()
+
+
+def test_cli_joins_the_running_cluster(cluster, tmp_path):
+    """`specdec cluster --ray-address`: a second ingress process with its own replica joins
+    this module's Ray cluster, serves, and removes its application when stopped."""
+    model = cluster.server.current.config.model
+    port = free_port()
+    server = ServerProcess(
+        model, None, ["--replicas", "1", "--ray-address", ray.get_runtime_context().gcs_address,
+                      "--replica-cpus", "0.5"],
+        tmp_path / "cluster.log",
+    )  # fmt: skip
+    server.cmd[server.cmd.index("serve")] = "cluster"
+    server.port, server.url = port, f"http://127.0.0.1:{port}"
+    server.cmd[server.cmd.index("--port") + 1] = str(port)
+    start_servers(server, timeout=120)
+    try:
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == script_text(5)
+        theirs = r.headers["x-specdec-replica"].partition("/")[0]
+        assert theirs in _app_names() and theirs != cluster.server.current.name
+    finally:
+        server.stop()
+    # uvicorn re-raises the SIGTERM it handled once shut down.
+    assert server.proc.returncode in (0, -signal.SIGTERM), server.log()
+    wait_for(lambda: theirs not in _app_names(), what="the CLI's application deleted")
 
 
 def test_replica_killed_mid_stream_errors_the_stream_and_others_keep_serving(client):

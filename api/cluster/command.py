@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     server = ClusterServer(config, settings, options, admin_token=args.admin_token)
+    server.connect()
     uv = uvicorn.Server(
         uvicorn.Config(
             server,

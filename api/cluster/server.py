@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -122,10 +123,13 @@ class ClusterServer:
     # ---- generations ------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect to Ray (or start a local cluster) and deploy the first generation."""
-        await asyncio.to_thread(self._connect)
+        await asyncio.to_thread(self.connect)
         self.current = await self._deploy(self._config)
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Join ``--ray-address`` or start a local Ray cluster (once per process; call it from
+        the main thread so Ray installs its signal handlers) and start Serve without its HTTP
+        proxy: the ingress is this process."""
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             if self.options.ray_address:
@@ -133,12 +137,12 @@ class ClusterServer:
             elif self.options.num_cpus is not None:
                 kwargs["num_cpus"] = self.options.num_cpus
             ray.init(**kwargs)
-        # The ingress is this process; Serve's own HTTP proxy is not needed.
         serve.start(proxy_location="Disabled")
 
     async def _deploy(self, config: EngineConfig) -> Generation:
         self._counter += 1
-        name = f"{APP_PREFIX}g{self._counter}-{int(time.time())}"
+        # Unique within the Ray cluster, which other ingresses may share.
+        name = f"{APP_PREFIX}{os.getpid()}-{int(time.time())}-g{self._counter}"
         opts = deployment_options(self.options, config, self.settings)
         deployment = serve.deployment(EngineReplica).options(name=DEPLOYMENT_NAME, **opts)
         app = deployment.bind(config, self.settings.max_queue_len, self.settings.model_name, name)

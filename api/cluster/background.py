@@ -1,23 +1,30 @@
-"""A `specdec cluster` ingress in the test process: ClusterServer + uvicorn on a thread with
-its own event loop, over a real local Ray cluster started by the test module."""
+"""A cluster ingress on a background thread of this process (ClusterServer + uvicorn on their own
+event loop), for tests and benchmarks that drive it over HTTP and reach into Ray directly."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import socket
 import threading
 import time
 from collections.abc import Coroutine
 from typing import Any
 
 import uvicorn
-from helpers_server import free_port
 from specdec.api.cluster.options import ClusterOptions
 from specdec.api.cluster.server import ClusterServer
 from specdec.api.settings import ServerSettings
 from specdec.engine.config import EngineConfig
 
 
-class ClusterHarness:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BackgroundCluster:
     def __init__(
         self,
         config: EngineConfig,
@@ -26,7 +33,7 @@ class ClusterHarness:
         admin_token: str | None = None,
     ) -> None:
         port = free_port()
-        settings = ServerSettings(**{**settings.__dict__, "port": port})
+        settings = dataclasses.replace(settings, port=port)
         self.server = ClusterServer(config, settings, options, admin_token=admin_token)
         self.url = f"http://127.0.0.1:{port}"
         self.uv = uvicorn.Server(
@@ -48,7 +55,7 @@ class ClusterHarness:
 
         asyncio.run(main())
 
-    def start(self, timeout: float = 300.0) -> ClusterHarness:
+    def start(self, timeout: float = 300.0) -> BackgroundCluster:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.uv.started:
