@@ -135,8 +135,9 @@ class RemoteEngine:
 
     @property
     def is_alive(self) -> bool:
-        """True while at least one replica's engine loop runs."""
-        return any(s.get("alive", False) for s in self.stats().values())
+        """True while at least one replica's engine loop runs (a replica Serve lists as running
+        that has not reported yet counts as alive)."""
+        return any(s.get("alive", True) for s in self.stats().values())
 
     @property
     def error(self) -> str | None:

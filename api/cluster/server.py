@@ -90,7 +90,7 @@ def _replica_health(replica: str, report: dict[str, Any]) -> ReplicaHealth:
     queries = report.get("prefix_queries", 0)
     return ReplicaHealth(
         replica=replica,
-        ready=bool(report.get("alive", False)),
+        ready=bool(report.get("alive", True)),
         num_requests_running=snap.get("num_running", 0),
         num_requests_waiting=snap.get("num_waiting", 0),
         num_requests_in_flight=report.get("num_ongoing", 0),
