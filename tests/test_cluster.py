@@ -277,8 +277,9 @@ def test_cli_joins_the_running_cluster(cluster, tmp_path):
         assert theirs in _app_names() and theirs != cluster.server.current.name
     finally:
         server.stop()
-    # uvicorn re-raises the SIGTERM it handled once shut down.
-    assert server.proc.returncode in (0, -signal.SIGTERM), server.log()
+    # uvicorn re-raises the SIGTERM it handled once shut down, which Ray's handler turns into
+    # exit status 15.
+    assert server.proc.returncode in (0, signal.SIGTERM, -signal.SIGTERM), server.log()
     wait_for(lambda: theirs not in _app_names(), what="the CLI's application deleted")
 
 
@@ -304,3 +305,43 @@ def test_replica_killed_mid_stream_errors_the_stream_and_others_keep_serving(cli
         r = chat(client)
         assert r.status_code == 200, r.text
         assert r.headers["x-specdec-replica"] != f"{app}/{replica}"
+
+
+@pytest.mark.slow
+def test_autoscaling_adds_a_replica_under_load(cluster):
+    """A second deployment (1 to 2 replicas, target 1 request in flight each) scales up while
+    four clients keep it busy (about 10 s for Serve's decision, 10 s for the replica to load)."""
+    config = cluster.server.current.config
+    options = ClusterOptions(
+        min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
+        autoscale_window_s=2, stats_period_s=0.3, replica_cpus=1,
+    )  # fmt: skip
+    os.environ["SPECDEC_STEP_DELAY_S"] = "0.02"
+    try:
+        auto = BackgroundCluster(config, cluster.server.settings, options).start()
+    finally:
+        del os.environ["SPECDEC_STEP_DELAY_S"]
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def load() -> None:
+        with httpx.Client(base_url=auto.url, timeout=60) as c:
+            while not stop.is_set():
+                codes.append(chat(c, max_tokens=40, speculative="off").status_code)
+
+    clients = [threading.Thread(target=load) for _ in range(4)]
+    try:
+        assert len(httpx.get(f"{auto.url}/health").json()["replicas"]) == 1
+        for t in clients:
+            t.start()
+        wait_for(
+            lambda: len(httpx.get(f"{auto.url}/health").json()["replicas"]) == 2,
+            timeout=60,
+            what="a second replica",
+        )
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(60)
+        auto.stop()
+    assert codes and set(codes) == {200}

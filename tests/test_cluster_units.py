@@ -110,6 +110,9 @@ def test_deployment_options_fixed_and_autoscaling():
         "initial_replicas": 1,
         "max_replicas": 4,
         "target_ongoing_requests": 2,
+        "upscale_delay_s": 30.0,
+        "downscale_delay_s": 600.0,
+        "look_back_period_s": 30.0,
     }
     assert auto["request_router_config"]["request_router_class"].endswith("PowerOfTwoRouter")
     explicit = deployment_options(ClusterOptions(max_ongoing_requests=2), config, settings)
@@ -126,6 +129,7 @@ def test_deployment_options_fixed_and_autoscaling():
         ({"routing": "random"}, "--routing"),
         ({"target_ongoing_requests": 0}, "--target-ongoing-requests"),
         ({"stats_period_s": 0}, "--stats-period"),
+        ({"upscale_delay_s": -1}, "--upscale-delay"),
     ],
 )
 def test_bad_cluster_options_are_refused(kwargs, flag):

@@ -25,7 +25,9 @@ FORWARDED_ENV_PREFIX = "SPECDEC_"
 class ClusterOptions:
     """``replicas``: fixed replica count; with ``max_replicas`` above ``min_replicas`` the
     deployment autoscales between the two on requests in flight per replica
-    (``target_ongoing_requests``). ``max_ongoing_requests``: requests Serve sends one replica at
+    (``target_ongoing_requests``), after the load has stayed above (below) it for
+    ``upscale_delay_s`` (``downscale_delay_s``), the load being averaged over the last
+    ``autoscale_window_s``. ``max_ongoing_requests``: requests Serve sends one replica at
     most (None: the engine's batch plus its queue, so a replica is never sent more than it
     accepts). ``max_queued_requests``: requests the ingress holds while every replica is full
     before answering 429 (-1: no limit). ``routing``: ``prefix`` (longest cached prefix when
@@ -36,6 +38,9 @@ class ClusterOptions:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float = 4.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    autoscale_window_s: float = 30.0
     max_ongoing_requests: int | None = None
     max_queued_requests: int = -1
     routing: str = "prefix"
@@ -66,6 +71,11 @@ class ClusterOptions:
             self.target_ongoing_requests > 0,
             f"--target-ongoing-requests must be > 0, got {self.target_ongoing_requests}",
         )
+        check(
+            self.upscale_delay_s >= 0 and self.downscale_delay_s >= 0,
+            "--upscale-delay and --downscale-delay must be >= 0 seconds",
+        )
+        check(self.autoscale_window_s > 0, "--autoscale-window must be > 0 seconds")
         check(
             self.max_ongoing_requests is None or self.max_ongoing_requests >= 1,
             f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}",
@@ -131,6 +141,9 @@ def deployment_options(
             "initial_replicas": min(max(lo, options.replicas), hi),
             "max_replicas": hi,
             "target_ongoing_requests": options.target_ongoing_requests,
+            "upscale_delay_s": options.upscale_delay_s,
+            "downscale_delay_s": options.downscale_delay_s,
+            "look_back_period_s": options.autoscale_window_s,
         }
     else:
         result["num_replicas"] = options.replicas
