@@ -120,9 +120,28 @@ def test_stream_and_json_through_the_ingress(client):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
-def test_health_and_metrics_aggregate_replicas_and_arms(client):
-    for i in range(6):  # the seeded A/B split puts some in each arm
-        assert chat(client, max_tokens=4 + i).status_code == 200
+def test_health_and_metrics_aggregate_replicas_and_arms(client, cluster):
+    def served() -> float:
+        return metric_value(client.get("/metrics").text, "specdec:request_success_total")
+
+    before = served()
+    results: list[httpx.Response] = []
+
+    def one() -> None:
+        with httpx.Client(base_url=cluster.url, timeout=60) as c:
+            results.append(chat(c, max_tokens=60))
+
+    # Staggered long requests: the prefix holder fills up, so the router spreads them over both
+    # replicas; the seeded A/B split puts some in each arm.
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(60)
+    assert [r.status_code for r in results] == [200] * 6
+    replicas_used = {r.headers["x-specdec-replica"] for r in results}
+    assert len(replicas_used) == 2, replicas_used
     health = wait_for(
         lambda: (h := client.get("/health").json()) and len(h["replicas"]) == 2 and h,
         what="two replicas in /health",
@@ -131,12 +150,12 @@ def test_health_and_metrics_aggregate_replicas_and_arms(client):
     assert all(r["ready"] for r in health["replicas"])
     assert health["num_blocks"] == 2 * 128
     metrics = client.get("/metrics").text
-    replicas = {r["replica"] for r in health["replicas"]}
-    for replica in replicas:
-        assert f'replica="{replica}"' in metrics
-        assert "specdec:prefix_cache_hit_rate{" in metrics
+    for replica in (r["replica"] for r in health["replicas"]):
         assert metric_value(metrics, "specdec:engine_loop_alive", replica=replica) == 1.0
+        assert metric_value(metrics, "specdec:prefix_cache_hit_rate", replica=replica) >= 0.0
+        assert metric_value(metrics, "specdec:prefix_cache_queries_total", replica=replica) > 0
     # Request metrics are counted at the ingress, per arm, over both replicas.
+    assert served() - before == 6
     spec = metric_value(metrics, "specdec:request_success_total", arm="spec")
     plain = metric_value(metrics, "specdec:request_success_total", arm="plain")
     assert spec >= 1 and plain >= 1
@@ -314,7 +333,7 @@ def test_autoscaling_adds_a_replica_under_load(cluster):
     config = cluster.server.current.config
     options = ClusterOptions(
         min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
-        autoscale_window_s=2, stats_period_s=0.3, replica_cpus=1,
+        stats_period_s=0.3, replica_cpus=1,
     )  # fmt: skip
     os.environ["SPECDEC_STEP_DELAY_S"] = "0.02"
     try:

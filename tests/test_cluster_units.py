@@ -112,7 +112,6 @@ def test_deployment_options_fixed_and_autoscaling():
         "target_ongoing_requests": 2,
         "upscale_delay_s": 30.0,
         "downscale_delay_s": 600.0,
-        "look_back_period_s": 30.0,
     }
     assert auto["request_router_config"]["request_router_class"].endswith("PowerOfTwoRouter")
     explicit = deployment_options(ClusterOptions(max_ongoing_requests=2), config, settings)
@@ -180,3 +179,15 @@ def test_single_process_server_does_not_import_ray():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_cluster_without_ray_says_how_to_install_it():
+    code = (
+        "import sys\n"
+        "sys.modules['ray'] = None  # as if the extra were not installed\n"
+        "from specdec.api.cli import main\n"
+        "sys.exit(main(['cluster', '--model', 'm']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "pip install 'specdec[cluster]'" in r.stderr

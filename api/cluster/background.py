@@ -8,8 +8,6 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import uvicorn
 from specdec.api.cluster.options import ClusterOptions
@@ -65,11 +63,6 @@ class BackgroundCluster:
                 raise RuntimeError("cluster did not start")
             time.sleep(0.1)
         return self
-
-    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 300.0) -> Any:
-        """Run a coroutine on the ingress's event loop."""
-        assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
         self.uv.should_exit = True  # the lifespan's shutdown deletes the Serve applications

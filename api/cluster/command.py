@@ -39,9 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--downscale-delay", type=float, default=d.downscale_delay_s,
                    help="autoscaling: seconds the load must stay below target before a replica "
                    "is removed (default: %(default)s)")  # fmt: skip
-    g.add_argument("--autoscale-window", type=float, default=d.autoscale_window_s,
-                   help="autoscaling: seconds over which requests in flight are averaged "
-                   "(default: %(default)s)")  # fmt: skip
     g.add_argument(
         "--max-ongoing-requests", type=int, default=None,
         help="most requests sent to one replica at once (default: its --max-num-seqs plus "
@@ -88,7 +85,6 @@ def options_from_args(args: argparse.Namespace) -> ClusterOptions:
         target_ongoing_requests=args.target_ongoing_requests,
         upscale_delay_s=args.upscale_delay,
         downscale_delay_s=args.downscale_delay,
-        autoscale_window_s=args.autoscale_window,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         routing=args.routing,

@@ -26,8 +26,7 @@ class ClusterOptions:
     """``replicas``: fixed replica count; with ``max_replicas`` above ``min_replicas`` the
     deployment autoscales between the two on requests in flight per replica
     (``target_ongoing_requests``), after the load has stayed above (below) it for
-    ``upscale_delay_s`` (``downscale_delay_s``), the load being averaged over the last
-    ``autoscale_window_s``. ``max_ongoing_requests``: requests Serve sends one replica at
+    ``upscale_delay_s`` (``downscale_delay_s``). ``max_ongoing_requests``: requests Serve sends one replica at
     most (None: the engine's batch plus its queue, so a replica is never sent more than it
     accepts). ``max_queued_requests``: requests the ingress holds while every replica is full
     before answering 429 (-1: no limit). ``routing``: ``prefix`` (longest cached prefix when
@@ -40,7 +39,6 @@ class ClusterOptions:
     target_ongoing_requests: float = 4.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
-    autoscale_window_s: float = 30.0
     max_ongoing_requests: int | None = None
     max_queued_requests: int = -1
     routing: str = "prefix"
@@ -75,7 +73,6 @@ class ClusterOptions:
             self.upscale_delay_s >= 0 and self.downscale_delay_s >= 0,
             "--upscale-delay and --downscale-delay must be >= 0 seconds",
         )
-        check(self.autoscale_window_s > 0, "--autoscale-window must be > 0 seconds")
         check(
             self.max_ongoing_requests is None or self.max_ongoing_requests >= 1,
             f"--max-ongoing-requests must be >= 1, got {self.max_ongoing_requests}",
@@ -143,7 +140,6 @@ def deployment_options(
             "target_ongoing_requests": options.target_ongoing_requests,
             "upscale_delay_s": options.upscale_delay_s,
             "downscale_delay_s": options.downscale_delay_s,
-            "look_back_period_s": options.autoscale_window_s,
         }
     else:
         result["num_replicas"] = options.replicas
