@@ -179,6 +179,8 @@ def test_shared_prefix_lands_on_one_replica_and_hits_its_cache(client):
         return reps[replica]["prefix_cache_hit_rate"] > 0
 
     wait_for(hit_rate, what="a prefix-cache hit on the chosen replica")
+    metrics = client.get("/metrics").text
+    assert metric_value(metrics, "specdec:cluster_routing_decisions_total", reason="affine") >= 5
 
 
 def test_back_pressure_answers_429_and_the_rest_complete(client, cluster):

@@ -12,6 +12,7 @@ ingress's own (which would only describe the ingress's sum of them).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from specdec.api.metrics import ServerMetrics
@@ -70,6 +71,20 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self.families
+
+
+def routing_exposition(model_name: str, decisions: dict[str, int]) -> bytes:
+    """The router's choices so far: ``affine`` (the prefix holder) or ``least_loaded``."""
+    family = CounterMetricFamily(
+        "specdec:cluster_routing_decisions",
+        "Routing choices, by why the replica was chosen (a retried request counts again)",
+        labels=("model_name", "reason"),
+    )
+    for reason, count in sorted(decisions.items()):
+        family.add_metric((model_name, reason), count)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([family]))  # type: ignore[arg-type]
+    return generate_latest(registry)
 
 
 def merge_expositions(ingress: bytes, replicas: dict[str, bytes]) -> bytes:

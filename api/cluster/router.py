@@ -7,7 +7,8 @@ within ``imbalance_threshold`` of the least-loaded replica, the least-loaded rep
 Serve then sends the request to the first ranked replica below ``max_ongoing_requests``.
 
 Loads are Serve's own per-replica counts of requests in flight from this handle (its queue-length
-cache, updated on every send and completion, probed when missing). The index learns from two
+cache, updated on every send and completion), or the replica's last report where the cache has
+no entry. The index learns from two
 sources: every routed prompt (at once) and each replica's report of the keys actually in its
 cache, which Serve's controller fetches every ``request_routing_stats_period_s`` through
 ``EngineReplica.record_routing_stats`` (evictions show up there).
@@ -35,6 +36,10 @@ class ReplicaStatsSource(RequestRouter):
         that Serve delivers to it."""
         registry.ROUTERS[self._deployment_id.app_name] = self
 
+    # Routing choices by reason ("affine", "least_loaded"); a request that is routed again after
+    # finding its replica full counts again.
+    decisions: dict[str, int]
+
     def replica_stats(self) -> dict[str, dict[str, Any]]:
         """The latest report of each live replica, by replica id (may be empty at first)."""
         return {
@@ -47,6 +52,7 @@ class PowerOfTwoRouter(ReplicaStatsSource):
     prefix affinity: the baseline of ``--routing pow2``."""
 
     def initialize_state(self, **kwargs: Any) -> None:
+        self.decisions = {}
         self.register()
 
     async def choose_replicas(

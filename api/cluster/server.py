@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from ray import serve
 from specdec.api.app import _health, create_app
-from specdec.api.cluster.metrics import merge_expositions
+from specdec.api.cluster.metrics import merge_expositions, routing_exposition
 from specdec.api.cluster.options import ClusterOptions, deployment_options
 from specdec.api.cluster.registry import ROUTERS
 from specdec.api.cluster.remote_engine import REPLICA_SLOT, RemoteEngine
@@ -291,6 +291,9 @@ class ClusterServer:
             if gen is None:
                 return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
             ingress = gen.app.state.metrics.render(gen.engine.snapshot, gen.engine.is_alive)
+            router = ROUTERS.get(gen.name)
+            if router is not None and router.decisions:
+                ingress += routing_exposition(self.settings.model_name, router.decisions)
             replicas = {
                 r: s["metrics"] for r, s in self._reports(gen.name).items() if "metrics" in s
             }
