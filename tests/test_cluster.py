@@ -92,6 +92,17 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
         time.sleep(0.1)
 
 
+def wait_idle(client) -> dict:
+    """Until no replica runs or queues a request and every KV block is free again."""
+
+    def idle():
+        h = client.get("/health").json()
+        quiet = h["num_requests_running"] == 0 and h["num_requests_waiting"] == 0
+        return quiet and h["num_free_blocks"] == h["num_blocks"] and h
+
+    return wait_for(idle, what="an idle cluster with every KV block free")
+
+
 def test_stream_and_json_through_the_ingress(client):
     r = chat(client, max_tokens=18, speculative="on")
     assert r.status_code == 200, r.text
@@ -118,6 +129,7 @@ def test_stream_and_json_through_the_ingress(client):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    wait_idle(client)
 
 
 def test_health_and_metrics_aggregate_replicas_and_arms(client, cluster):
@@ -208,11 +220,7 @@ def test_back_pressure_answers_429_and_the_rest_complete(client, cluster):
             assert int(r.headers["retry-after"]) >= 1
         else:
             assert r.json()["choices"][0]["finish_reason"] == "length"
-    health = wait_for(
-        lambda: (h := client.get("/health").json())["num_requests_running"] == 0 and h,
-        what="an idle cluster",
-    )
-    assert health["num_free_blocks"] == health["num_blocks"]
+    wait_idle(client)
 
 
 def _app_names() -> set[str]:
@@ -270,6 +278,7 @@ def test_swap_under_steady_traffic_fails_no_request(client, cluster):
     # The old generation drains and its application is deleted.
     wait_for(lambda: before not in _app_names(), what="the old application deleted")
     assert after in _app_names()
+    wait_idle(client)
 
 
 def test_cli_joins_the_running_cluster(cluster, tmp_path):
@@ -326,6 +335,7 @@ def test_replica_killed_mid_stream_errors_the_stream_and_others_keep_serving(cli
         r = chat(client)
         assert r.status_code == 200, r.text
         assert r.headers["x-specdec-replica"] != f"{app}/{replica}"
+    wait_idle(client)
 
 
 @pytest.mark.slow
