@@ -1,5 +1,6 @@
 """Engine replicas on Ray Serve behind one OpenAI-compatible ingress (`specdec cluster`).
 
-Needs the ``cluster`` extra (Ray Serve). Only ``options`` and ``command`` import without Ray;
-``specdec serve`` never imports this package's Ray modules.
+Needs the ``cluster`` extra (Ray Serve) to run. ``command``, ``options``, ``prefix``, ``metrics``
+and ``registry`` import without Ray (the CLI parser loads ``command``); ``specdec serve`` never
+imports this package's Ray modules (tested).
 """

@@ -146,7 +146,11 @@ class ClusterServer:
         opts = deployment_options(self.options, config, self.settings)
         deployment = serve.deployment(EngineReplica).options(name=DEPLOYMENT_NAME, **opts)
         app = deployment.bind(config, self.settings.max_queue_len, self.settings.model_name, name)
-        target = serve.RunTarget(app, name=name, route_prefix=None)
+        # No access log line per request from the replicas (Serve's default); the ingress's
+        # uvicorn log has them.
+        target = serve.RunTarget(
+            app, name=name, route_prefix=None, logging_config={"enable_access_log": False}
+        )
         try:
             (handle,) = await asyncio.to_thread(
                 serve.run_many, [target], wait_for_applications_running=False
