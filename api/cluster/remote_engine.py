@@ -51,8 +51,9 @@ class RemoteCore:
         self.max_model_len = info.max_model_len
         self.tokenizer = info.tokenizer
         self.allocator = _Allocator(info.num_blocks)
-        # The API only asks whether a proposer exists.
+        # The API only asks whether a proposer and a speculation policy exist.
         self.proposer: object | None = "remote" if info.has_proposer else None
+        self.policy: object | None = "remote" if info.has_policy else None
 
 
 def _dead(message: str) -> EngineDeadError:

@@ -60,6 +60,7 @@ class ReplicaInfo:
     num_blocks: int
     page_size: int
     has_proposer: bool
+    has_policy: bool
     tokenizer: Any  # engine.tokenizer.Tokenizer | None (pickled with the info)
 
 
@@ -88,6 +89,7 @@ class EngineReplica:
             num_blocks=core.allocator.num_blocks,
             page_size=core.config.page_size,
             has_proposer=core.proposer is not None,
+            has_policy=core.policy is not None,
             tokenizer=core.tokenizer,
         )
 
