@@ -20,7 +20,6 @@ import httpx  # noqa: E402
 from helpers_server import (  # noqa: E402
     ServerProcess,
     build_script_model,
-    free_port,
     metric_value,
     script_text,
     sse_events,
@@ -281,30 +280,38 @@ def test_swap_under_steady_traffic_fails_no_request(client, cluster):
     wait_idle(client)
 
 
-def test_cli_joins_the_running_cluster(cluster, tmp_path):
+def test_cli_joins_the_running_cluster_and_passes_the_engines_429(cluster, tmp_path):
     """`specdec cluster --ray-address`: a second ingress process with its own replica joins
-    this module's Ray cluster, serves, and removes its application when stopped."""
-    model = cluster.server.current.config.model
-    port = free_port()
+    this module's Ray cluster, serves, and removes its application when stopped. Its replica
+    takes one sequence and no queue while Serve may send it more, so the engine's own 429 is
+    what a second concurrent request gets."""
+    gcs = ray.get_runtime_context().gcs_address
     server = ServerProcess(
-        model, None, ["--replicas", "1", "--ray-address", ray.get_runtime_context().gcs_address,
-                      "--replica-cpus", "0.5"],
-        tmp_path / "cluster.log",
+        cluster.server.current.config.model, None,
+        ["--replicas", "1", "--ray-address", gcs, "--replica-cpus", "0.5",
+         "--max-num-seqs", "1", "--max-queue-len", "0", "--max-ongoing-requests", "4"],
+        tmp_path / "cluster.log", env={"SPECDEC_STEP_DELAY_S": "0.02"},
     )  # fmt: skip
     server.cmd[server.cmd.index("serve")] = "cluster"
-    server.port, server.url = port, f"http://127.0.0.1:{port}"
-    server.cmd[server.cmd.index("--port") + 1] = str(port)
     start_servers(server, timeout=120)
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES, "temperature": 0}
     try:
-        r = httpx.post(
-            f"{server.url}/v1/chat/completions",
-            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0},
-            timeout=60,
-        )
+        r = httpx.post(url, json={**body, "max_tokens": 5}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == script_text(5)
         theirs = r.headers["x-specdec-replica"].partition("/")[0]
         assert theirs in _app_names() and theirs != cluster.server.current.name
+        with httpx.Client(timeout=60) as c, c.stream("POST", url, json={
+            **body, "max_tokens": 60, "stream": True, "speculative": "off"
+        }) as long:  # fmt: skip
+            assert long.status_code == 200
+            busy = c.post(url, json={**body, "max_tokens": 5})
+            assert busy.status_code == 429, busy.text
+            assert busy.json()["error"]["code"] == "queue_full"
+            assert "server queue is full" in busy.json()["error"]["message"]  # the engine's
+            assert busy.headers["retry-after"] == "1"
+            assert sse_events(long.iter_lines())[-1] == "[DONE]"
     finally:
         server.stop()
     # uvicorn re-raises the SIGTERM it handled once shut down, which Ray's handler turns into
