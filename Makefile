@@ -1,6 +1,6 @@
 # The two set-up commands of the README. Both work on a fresh machine: they build .venv first.
 #   make serve   install, fetch the default model pair (first run only), run the server
-#   make test    install with dev extras, fetch the pair, lint, run the whole test suite
+#   make test    install with dev and cluster extras, fetch the pair, lint, run the whole test suite
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -18,7 +18,7 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet -e .
 
 install-dev: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,cluster]'
 
 pull: install
 	$(BIN)/specdec pull

@@ -12,6 +12,10 @@ from specdec.engine.errors import SpecdecError
 # Sub-command -> module providing `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("specdec.api.commands.serve", "run the OpenAI-compatible server"),
+    "cluster": (
+        "specdec.api.cluster.command",
+        "run the server with N engine replicas on Ray Serve (needs the cluster extra)",
+    ),
     "generate": (
         "specdec.api.commands.generate",
         "generate text for one prompt, streamed to the terminal",

@@ -128,6 +128,11 @@ class BlockAllocator:
         del seq.block_hashes[keep:]
 
     # ---- prefix cache -----------------------------------------------------------------------
+    def cached_block_hashes(self) -> list[bytes]:
+        """Keys of every block whose prefix can be reused now (in use or on the free list).
+        Safe to call from another thread: the dict is copied in one step under the GIL."""
+        return list(self._cached.copy())
+
     def match_prefix(self, seq: Sequence) -> tuple[int, int]:
         """Attach cached blocks for seq's leading full blocks. Returns (target, draft) tokens found.
 
