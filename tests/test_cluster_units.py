@@ -143,6 +143,15 @@ def test_cluster_flags_are_checked_before_ray_starts(capsys):
     assert "--replicas must be >= 1" in capsys.readouterr().err
 
 
+def test_single_server_routing_flags_are_refused_by_the_cluster(capsys):
+    from specdec.api.cli import main
+
+    assert main(["cluster", "--model", "m", "--router-model-name", "auto"]) == 2
+    assert "--router-model-name: specdec cluster serves the target model only" in (
+        capsys.readouterr().err
+    )
+
+
 def _families(text: bytes) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text.decode())}
 

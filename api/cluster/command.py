@@ -77,7 +77,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="enable POST /admin/swap with this bearer token (default: off)")  # fmt: skip
 
 
+# Single-server options: replicas serve the target only (the draft is not a model of its own).
+_SINGLE_SERVER_FLAGS = {
+    "router_model_name": "--router-model-name",
+    "draft_served_model_name": "--draft-served-model-name",
+    "draft_num_kv_blocks": "--draft-num-kv-blocks",
+}
+
+
 def options_from_args(args: argparse.Namespace) -> ClusterOptions:
+    given = [flag for name, flag in _SINGLE_SERVER_FLAGS.items() if getattr(args, name) is not None]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: specdec cluster serves the target model only; "
+            "the draft as its own model and the router name are specdec serve options"
+        )
     return ClusterOptions(
         replicas=args.replicas,
         min_replicas=args.min_replicas,
