@@ -50,7 +50,8 @@ class ModelRunner:
         return self.model.arch.vocab_size
 
     def run(self, entries: Seq[RunEntry]) -> torch.Tensor:
-        """One forward over every entry; logits [sum(num_logits), vocab] in entry order."""
+        """One forward over every entry; logits [sum(num_logits), lm_head rows] in entry order
+        (the vocabulary, unless the model's head keeps only some rows: `output_token_ids`)."""
         if self.graphed is not None and self.graphed.accepts(entries):
             self.num_graph_runs += 1
             logits = self.graphed.run(

@@ -57,7 +57,12 @@ def build_policy(
         max_model_len=max_model_len,
     )
     if config.controller_warmup:
-        models = [config.model] + ([config.draft_model or ""] if draft is not None else [])
+        models = [config.model]
+        if draft is not None:
+            # A vocabulary-pruned draft head costs less per forward: its own calibration.
+            rows = draft.model.lm_head.out_features
+            pruned = f" (head of {rows} rows)" if rows != draft.vocab_size else ""
+            models.append((config.draft_model or "") + pruned)
         spec = CalibrationSpec(
             max_num_seqs=config.max_num_seqs,
             k_max=k_max,
