@@ -71,3 +71,10 @@ def test_measure_runs_on_the_tiny_pair(tmp_path):
         assert rows[(name, 64)]["coverage"] <= rows[(name, 256)]["coverage"] <= 1.0
     assert set(result["cost"]["draft_forward_ms"]) == {"draft N=64", "draft N=256", "draft full"}
     assert "| frequency | 64 |" in (out / "draft_vocab.md").read_text()
+
+
+def test_corpus_from_the_committed_trace_set_is_its_greedy_half():
+    records = corpus_io.from_trace("evals/data/traces")
+    assert len(records) == 21 and all(r.id.endswith("@t0") for r in records)
+    assert all(r.prompt_ids and r.output_ids for r in records)
+    assert {r.category for r in records} == {r.category for r in load_categories(["all"], 1)}

@@ -1,10 +1,14 @@
 """Build the draft's frequency table (`specdec.draft_vocab.FrequencyTable`).
 
-Two steps, each a subcommand:
+A corpus of the target's greedy outputs, then the table, each a subcommand:
 
+    python -m specdec.evals.draft_vocab.build_table from-trace --output CORPUS.jsonl
+        the greedy (T=0) requests of a recorded trace set (default evals/data/traces: 21 outputs
+        of the default pair, up to 96 tokens, the first three prompts of each built-in category).
     python -m specdec.evals.draft_vocab.build_table generate --output CORPUS.jsonl
-        the target's greedy outputs (128 tokens) on every built-in prompt (evals/data/),
-        decoded as one batch by plain decode; needs only the target model.
+        or new ones: the target's greedy outputs (128 tokens) on the built-in prompts
+        (evals/data/), decoded --batch at a time by plain decode; needs only the target (fp32:
+        about 6 GB of weights plus the 2 GB KV pool).
     python -m specdec.evals.draft_vocab.build_table build --corpus CORPUS.jsonl \
             [--text FILE ...] --output specdec/vocab_tables/qwen2.5.json
         ranks token ids: the tokenizer's added tokens and the model's end-of-sequence ids first,
@@ -12,9 +16,7 @@ Two steps, each a subcommand:
         there); ids no source holds follow in id order when N exceeds the table. Reads only the
         model's config and tokenizer.
 
-The shipped table was built from the corpus in docs/results/draft_vocab/greedy_outputs.jsonl and
-the project's own Python sources and docs as --text; docs/results/draft_vocab/README.md gives the
-exact commands.
+The shipped table's own record (its "source" field) names the command and commit that built it.
 """
 
 from __future__ import annotations

@@ -418,3 +418,7 @@ def markdown(result: dict) -> str:
             f"| {e['draft_vocab_size']} | {e['draft_step_ms']:.2f} | {e['ms_per_token']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
