@@ -161,7 +161,13 @@ def measure_acceptance(
 
 
 def measure_cost(
-    engine, table: FrequencyTable, sizes: Sequence[int], context: int, rounds: int, reps: int
+    engine,
+    table: FrequencyTable,
+    sizes: Sequence[int],
+    context: int,
+    rounds: int,
+    reps: int,
+    draft_only: bool = False,
 ) -> dict:
     """Median ms of one-token draft forwards per N and of the target's decode and verify."""
     from specdec.engine.model_runner import ModelRunner, RunEntry
@@ -212,8 +218,11 @@ def measure_cost(
                     compute_probs(logits, greedy_row).argmax(dim=-1)
 
                 step[name].append(timed(draft_step))
-            target["target decode"].append(timed(lambda: engine.target_runner.run(one)))
-            target[f"target verify (k={k})"].append(timed(lambda: engine.target_runner.run(verify)))
+            if not draft_only:
+                target["target decode"].append(timed(lambda: engine.target_runner.run(one)))
+                target[f"target verify (k={k})"].append(
+                    timed(lambda: engine.target_runner.run(verify))
+                )
         med = statistics.median
         return {
             "context_tokens": context,
@@ -221,7 +230,7 @@ def measure_cost(
             "reps_per_round": reps,
             "draft_forward_ms": {n: med(v) for n, v in forward.items()},
             "draft_step_ms": {n: med(v) for n, v in step.items()},
-            "target_ms": {n: med(v) for n, v in target.items()},
+            "target_ms": {n: med(v) for n, v in target.items() if v},
         }
     finally:
         engine.allocator.free(seq)
@@ -264,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         help="kept-vocabulary sizes N, 0 for the full vocabulary (default: %(default)s)",
     )
     parser.add_argument("--sampled-per-category", type=int, default=1)
+    parser.add_argument(
+        "--draft-only",
+        action="store_true",
+        help="load only the draft (the corpus holds the target's outputs): greedy acceptance and "
+        "draft cost, no T=1 column, no target timings",
+    )
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--reps", type=int, default=5)
@@ -278,7 +293,15 @@ def build_engine(args: argparse.Namespace):
     from specdec.engine.llm_engine import LLMEngine
 
     target = draft = None
-    if args.tiny:
+    if args.draft_only and not args.tiny:
+        from specdec.engine.loader import load_model, resolve_device, resolve_dtype
+
+        device = resolve_device("auto")
+        name = args.draft_model or DEFAULT_DRAFT
+        draft = load_model(name, resolve_dtype("auto", device), device, progress=False)
+        target = draft  # the engine wants a target; nothing reads its runner in this mode
+        models = dict(model=name, draft_model=name)
+    elif args.tiny:
         from specdec.evals.tiny_pair import tiny_pair
 
         target, draft = tiny_pair()
@@ -294,6 +317,7 @@ def build_engine(args: argparse.Namespace):
         draft_vocab_size=0,  # the full head reads every position; pruning is applied here
         controller_warmup=False,
         max_model_len=2048,
+        kv_cache_memory=0.25,  # one sequence at a time
         num_threads=args.num_threads,
     )
     return LLMEngine(cfg, target=target, draft=draft, progress=False)
@@ -321,17 +345,16 @@ def run(args: argparse.Namespace) -> int:
             if by_cat[r.category] <= args.limit:
                 records.append(r)
     sizes = parse_ints(args.sizes, "--sizes", 0, engine.draft.arch.vocab_size)
-    acceptance = measure_acceptance(
-        engine, records, folds, tables, args.sampled_per_category, sizes
-    )
+    sampled = 0 if args.draft_only else args.sampled_per_category
+    acceptance = measure_acceptance(engine, records, folds, tables, sampled, sizes)
     table = tables[("frequency", 0)]
-    cost = measure_cost(engine, table, sizes, args.context, args.rounds, args.reps)
+    cost = measure_cost(engine, table, sizes, args.context, args.rounds, args.reps, args.draft_only)
     result = {
         "command": "python -m specdec.evals.draft_vocab.measure " + shlex.join(sys.argv[1:]),
         "commit": git_commit(),
         "environment": {**environment_info(), "cpu_flags": cpu_flags()},
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "target": engine.config.model,
+        "target": None if args.draft_only else engine.config.model,
         "draft": engine.config.draft_model,
         "corpus": args.corpus,
         "outputs": len(records),
@@ -340,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         "text_tokens": sum(len(t) for t in texts),
         "acceptance": acceptance,
         "cost": cost,
-        "estimate_k4": estimate(acceptance, cost, KS[0]),
+        "estimate_k4": [] if args.draft_only else estimate(acceptance, cost, KS[0]),
     }
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -406,6 +429,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {ms:.2f} | {cost['draft_step_ms'][name]:.2f} |")
     for name, ms in cost["target_ms"].items():
         lines.append(f"| {name} | {ms:.2f} | |")
+    if not result["estimate_k4"]:
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "## Estimated speculative time per token (k=4, frequency ranking)",
