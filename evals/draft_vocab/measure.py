@@ -230,10 +230,24 @@ def measure_cost(
             "reps_per_round": reps,
             "draft_forward_ms": {n: med(v) for n, v in forward.items()},
             "draft_step_ms": {n: med(v) for n, v in step.items()},
+            # The fastest round: on a loaded shared machine, the least disturbed estimate.
+            "draft_forward_ms_min": {n: min(v) for n, v in forward.items()},
+            "draft_step_ms_min": {n: min(v) for n, v in step.items()},
+            # Weight bytes one decode forward reads: every decoder layer, the final norm and the
+            # head's rows (one embedding row is negligible).
+            "draft_weight_bytes_per_forward": {
+                name: _bytes_read(runner.model) for name, (runner, _) in arms.items()
+            },
             "target_ms": {n: med(v) for n, v in target.items() if v},
         }
     finally:
         engine.allocator.free(seq)
+
+
+def _bytes_read(model) -> int:
+    packed = [m._packed for m in model.modules() if getattr(m, "_packed", None) is not None]
+    plain = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
+    return sum(t.numel() * t.element_size() for t in packed + plain)
 
 
 def estimate(acceptance: dict, cost: dict, k: int) -> list[dict]:
@@ -417,16 +431,21 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         f"T=1 column: mean of sum_y min(p, q_N) over {result['acceptance']['rows'][0]['sampled_positions']} "
-        "positions of the same outputs (a subset of prompts).",
+        "positions of the same outputs (a subset of prompts; none with --draft-only).",
         "",
         f"## Forward cost (batch 1, context {cost['context_tokens']}, median of {cost['rounds']} "
         f"interleaved rounds x {cost['reps_per_round']})",
         "",
-        "| arm | forward ms | step ms (forward + embed + greedy pick) |",
-        "|---|---|---|",
+        "| arm | weight MB read | forward ms (median / min) | step ms: forward + embed + greedy "
+        "pick (median / min) |",
+        "|---|---|---|---|",
     ]
     for name, ms in cost["draft_forward_ms"].items():
-        lines.append(f"| {name} | {ms:.2f} | {cost['draft_step_ms'][name]:.2f} |")
+        mb = cost["draft_weight_bytes_per_forward"][name] / 1e6
+        lines.append(
+            f"| {name} | {mb:.0f} | {ms:.1f} / {cost['draft_forward_ms_min'][name]:.1f} | "
+            f"{cost['draft_step_ms'][name]:.1f} / {cost['draft_step_ms_min'][name]:.1f} |"
+        )
     for name, ms in cost["target_ms"].items():
         lines.append(f"| {name} | {ms:.2f} | |")
     if not result["estimate_k4"]:
