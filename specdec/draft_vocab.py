@@ -42,7 +42,7 @@ TABLE_FORMAT = "specdec-draft-vocab/1"
 # an unset --draft-vocab-size gives where that table fits the draft's tokenizer
 # (measured: docs/results/draft_vocab/).
 SHIPPED_TABLE = Path(__file__).parent / "vocab_tables" / "qwen2.5.json"
-AUTO_DRAFT_VOCAB_SIZE = 32768
+AUTO_DRAFT_VOCAB_SIZE = 65536
 
 
 @dataclass(frozen=True)
