@@ -17,6 +17,8 @@ from specdec.engine.config import (
     EngineConfig,
 )
 
+from specdec.draft_vocab import AUTO_DRAFT_VOCAB_SIZE
+
 HELP = {
     "model": "target model: a default name (see `specdec pull --list`), a Hugging Face "
     "directory or a .gguf file",
@@ -29,6 +31,12 @@ HELP = {
     "acceptance and step cost, docs/controller.md) or fixed (always k)",
     "ngram_n_min": "shortest suffix the n-gram proposer matches",
     "ngram_n_max": "longest suffix the n-gram proposer matches",
+    "draft_vocab_size": "rows of the draft's lm_head: the N most frequent tokens of "
+    "--draft-vocab-table (the draft never proposes the others; output is unchanged); 0: the full "
+    f"vocabulary; unset: {AUTO_DRAFT_VOCAB_SIZE} where the table fits the draft's tokenizer, "
+    "else full (docs/draft_vocab.md)",
+    "draft_vocab_table": "frequency table for --draft-vocab-size (default: the one shipped for the "
+    "Qwen2.5 tokenizer)",
     "dtype": "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where models run",
     "attention_backend": "attention kernels (auto: FlashInfer on CUDA when it works, else torch)",

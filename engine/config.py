@@ -33,6 +33,8 @@ class EngineConfig:
     speculative_policy: str = "adaptive"
     ngram_n_min: int = 2
     ngram_n_max: int = 4
+    draft_vocab_size: int | None = None
+    draft_vocab_table: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
@@ -84,6 +86,10 @@ class EngineConfig:
             f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (beyond that the "
             f"chance that every draft is accepted is negligible and verify batches only grow), "
             f"got {self.num_speculative_tokens}",
+        )
+        check(
+            self.draft_vocab_size is None or self.draft_vocab_size >= 0,
+            f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}",
         )
         check(
             1 <= self.ngram_n_min <= self.ngram_n_max,

@@ -135,7 +135,7 @@ class GraphedForward:
         rows = max(batch_sizes) * max(q_lens)
         if self._logits is None or self._logits.shape[0] < rows:
             # Graphs captured earlier keep a view of the old buffer, which stays alive with them.
-            vocab = self.model.arch.vocab_size
+            vocab = self.model.lm_head.out_features  # a pruned head's rows, else the vocabulary
             self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)

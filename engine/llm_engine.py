@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -43,6 +44,7 @@ from specdec.controller.policy import (
     StepObservation,
 )
 from specdec.controller.step_cost import ForwardShape
+from specdec.draft_vocab import resolve_draft_vocab
 from specdec.proposers import DraftModelProposer, Drafts, NgramProposer, Proposal, Proposer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,17 @@ class LLMEngine:
             _check_same_vocabulary(self.target, self.draft)
         self.max_model_len = min(config.max_model_len, self.target.arch.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
+        # The token ids the draft's head keeps (None: the whole vocabulary), checked before any
+        # memory is set aside.
+        self.draft_vocab_ids: torch.Tensor | None = None
+        if self.draft is not None:
+            self.draft_vocab_ids = resolve_draft_vocab(
+                config.draft_vocab_size,
+                config.draft_vocab_table,
+                self.draft.arch.vocab_size,
+                self.draft.tokenizer or self.tokenizer,
+                self.eos_token_ids,
+            )
 
         archs = [self.target.arch] + ([self.draft.arch] if self.draft else [])
         k_max = config.num_speculative_tokens if config.speculation_enabled else 0
@@ -123,7 +136,11 @@ class LLMEngine:
             self.sampling_kernels = flashinfer_sampling_kernels(self.device)
         self.proposer: Proposer | None = None
         if config.speculative_method == "draft_model":
-            runner = self._make_runner(self.draft, list(DRAFT_Q_LENS))
+            draft_model = self.draft
+            if self.draft_vocab_ids is not None:
+                pruned = draft_model.model.with_output_rows(self.draft_vocab_ids)
+                draft_model = dataclasses.replace(draft_model, model=pruned)
+            runner = self._make_runner(draft_model, list(DRAFT_Q_LENS))
             self.proposer = DraftModelProposer(runner, self.sampling_kernels)
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)

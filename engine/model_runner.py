@@ -49,8 +49,14 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.arch.vocab_size
 
+    @property
+    def output_token_ids(self) -> torch.Tensor | None:
+        """The token ids of the head's rows when it keeps only some (a pruned draft), else None."""
+        return self.model.output_token_ids
+
     def run(self, entries: Seq[RunEntry]) -> torch.Tensor:
-        """One forward over every entry; logits [sum(num_logits), vocab] in entry order."""
+        """One forward over every entry; logits [sum(num_logits), lm_head rows] in entry order
+        (the vocabulary, unless the model's head keeps only some rows: `output_token_ids`)."""
         if self.graphed is not None and self.graphed.accepts(entries):
             self.num_graph_runs += 1
             logits = self.graphed.run(

@@ -50,7 +50,12 @@ def build_policy(
         max_model_len=max_model_len,
     )
     if config.controller_warmup:
-        models = [config.model] + ([config.draft_model or ""] if draft is not None else [])
+        models = [config.model]
+        if draft is not None:
+            # A vocabulary-pruned draft head costs less per forward: its own calibration.
+            kept = draft.output_token_ids
+            pruned = f" (head of {len(kept)} rows)" if kept is not None else ""
+            models.append((config.draft_model or "") + pruned)
         spec = CalibrationSpec(
             max_num_seqs=config.max_num_seqs,
             k_max=k_max,

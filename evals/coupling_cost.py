@@ -102,6 +102,8 @@ def real_pair(args: argparse.Namespace) -> dict[str, float]:
     from specdec.engine.sequence import Sequence as Seq
     from specdec.evals.datasets import load_categories, prompt_token_ids
 
+    from specdec.draft_vocab import vocabulary_logits
+
     target = draft = None
     if args.tiny:
         from specdec.evals.tiny_pair import tiny_pair
@@ -133,7 +135,8 @@ def real_pair(args: argparse.Namespace) -> dict[str, float]:
             run = RunEntry(seq, (ids + out)[:-1], 0, len(out))  # rows that predicted `out`
             rows = [RowContext(params, ids, out[:j]) for j in range(len(out))]
             for runner, dest in ((engine.target_runner, ps), (engine.proposer.runner, qs)):
-                dest.append(compute_probs(runner.run([run]), rows).cpu())
+                logits = vocabulary_logits(runner.output_token_ids, runner.run([run]), vocab)
+                dest.append(compute_probs(logits, rows).cpu())
         finally:
             engine.allocator.free(seq)
     return {"temperature": args.temperature, **summarize(torch.cat(ps), torch.cat(qs))}

@@ -173,6 +173,7 @@ class _TraceRunner:
     device = torch.device("cpu")
     backend = None  # not FlashInfer: the engine uses the torch sampling reference
     graphed = None
+    output_token_ids = None  # a full head over the local vocabulary
 
     def __init__(self, book: dict[str, ReplayRequest], costs: StepCosts, clock: SimClock) -> None:
         self.book = book  # request id -> its replay view; other sequences (calibration's) are

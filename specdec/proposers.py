@@ -10,6 +10,7 @@ import torch
 
 from specdec.controller.policy import DraftStop, draft_value, drafts_to_continue
 from specdec.controller.step_cost import ForwardShape
+from specdec.draft_vocab import vocabulary_logits
 from specdec.engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_probs
 from specdec.engine.model_runner import ModelRunner, RunEntry
 from specdec.engine.sampling import RowContext
@@ -79,7 +80,9 @@ class DraftModelProposer:
     draft's (seed, position), so a draft is accepted whenever the target's pick agrees; unseeded
     sampled requests draw freely and keep the probabilities as q for the rejection rule.
     The scheduler holds step 0 to the token budget: a sequence whose lag does not fit comes with
-    k = 0 and a chunk of it, which step 0 reads without logits.
+    k = 0 and a chunk of it, which step 0 reads without logits. A draft with a vocabulary-pruned
+    head (`specdec.draft_vocab`) has its logits put back at their token ids, -inf elsewhere,
+    before any of this: its q is a full-vocabulary distribution, 0 off the kept tokens.
     """
 
     name = "draft_model"
@@ -106,7 +109,7 @@ class DraftModelProposer:
                     entries.append(RunEntry(seq, seq.token_ids[start:], start, 1))
                 else:
                     entries.append(RunEntry(seq, [tokens[i][-1]], seq.num_tokens + step - 1, 1))
-            logits = self.runner.run(entries)  # [len(active), vocab]
+            logits = self.runner.run(entries)  # [len(active), lm_head rows]
             self.num_forwards += 1
             forwards.append(_shape(entries))
             for e in catchup:
@@ -114,6 +117,8 @@ class DraftModelProposer:
             catchup = []
             if not active:
                 break
+            # A pruned head's logits go back to their ids, -inf elsewhere: q is 0 off its rows.
+            logits = vocabulary_logits(self.runner.output_token_ids, logits, self.runner.vocab_size)
             rows = [
                 RowContext(
                     items[i].seq.params,

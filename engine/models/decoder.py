@@ -7,6 +7,7 @@ only for the rows that need sampling (the lm_head over a 150k vocabulary is the 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -94,6 +95,8 @@ class DecoderLM(nn.Module):
         self.rope = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
+        # The vocabulary ids of lm_head's rows, in order; None: all of them (`with_output_rows`).
+        self.output_token_ids: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(
@@ -104,11 +107,11 @@ class DecoderLM(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N] rows of the batch whose logits are wanted
-    ) -> torch.Tensor:  # [N, vocab] float32
+    ) -> torch.Tensor:  # [N, lm_head rows] float32 (the vocabulary unless `with_output_rows`)
         backend.plan(meta)
         h, residual = self.run_layers(input_ids, positions, kv_caches, backend, meta)
         if logits_indices.numel() == 0:
-            return h.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+            return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
         return self.logits(h[logits_indices], residual[logits_indices])
 
     def run_layers(
@@ -135,6 +138,17 @@ class DecoderLM(nn.Module):
         if out is None:
             return self.lm_head(x).float()
         return out.copy_(self.lm_head(x))
+
+    def with_output_rows(self, token_ids: torch.Tensor) -> DecoderLM:
+        """This model with an lm_head over the vocabulary ids ``token_ids`` ([n] int64) only.
+
+        Every other module is shared, not copied; the n head rows are gathered once, here, so a
+        forward reads n rows instead of the vocabulary and returns [N, n] logits in
+        ``token_ids`` order (`output_token_ids`). This model itself is left unchanged."""
+        view = copy.copy(self)  # a new module object over the same submodule objects
+        view._modules = {**self._modules, "lm_head": self.lm_head.row_subset(token_ids)}
+        view.output_token_ids = token_ids.to(self.embed_tokens.weight.device, torch.int64)
+        return view
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run norms, activations and rope through `ops` (None: the torch layers)."""

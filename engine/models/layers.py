@@ -65,6 +65,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         return True
 
+    def row_subset(self, rows: torch.Tensor) -> Linear:
+        """A Linear computing only output features ``rows`` ([n] int64) of this one, in the same
+        format (a packed weight is packed again): the n weight rows are gathered once, here."""
+        weight = self.weight if self._packed is None else self._packed.to_dense()
+        idx = rows.to(device=weight.device, dtype=torch.int64)
+        with torch.device(weight.device):
+            sub = Linear(self.in_features, len(idx), bias=self.bias is not None)
+        sub.weight = nn.Parameter(weight.detach().index_select(0, idx), requires_grad=False)
+        if self.bias is not None:
+            sub.bias = nn.Parameter(self.bias.detach().index_select(0, idx), requires_grad=False)
+        if self._packed is not None:
+            sub.pack_for_cpu()
+        return sub
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
