@@ -94,6 +94,8 @@ class DecoderLM(nn.Module):
         self.rope = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
+        # The linear layers' weight format (`specdec.engine.models.quant`), set by build_model.
+        self.quantization = "none"
 
     @torch.inference_mode()
     def forward(

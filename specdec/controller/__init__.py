@@ -57,7 +57,11 @@ def build_policy(
         max_model_len=max_model_len,
     )
     if config.controller_warmup:
-        models = [config.model] + ([config.draft_model or ""] if draft is not None else [])
+        # Weight formats set the timings as much as the models do: a quantized one is part of the
+        # key (unquantized models keep the keys their tables were cached under).
+        models = [_with_format(config.model, config.quantization)]
+        if draft is not None:
+            models.append(_with_format(config.draft_model or "", config.draft_quantization))
         spec = CalibrationSpec(
             max_num_seqs=config.max_num_seqs,
             k_max=k_max,
@@ -73,3 +77,7 @@ def build_policy(
         table.seed(policy.cost)
         logger.info("speculation policy seeded with %d timed shapes", len(table.samples))
     return policy
+
+
+def _with_format(model: str, quantization: str) -> str:
+    return model if quantization == "none" else f"{model} ({quantization})"
