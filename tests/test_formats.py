@@ -112,7 +112,7 @@ def test_greedy_speculative_equals_greedy_plain_per_format(
         pytest.skip("oneDNN has no bf16 on this CPU")
     draft = noisy_copy(target, 0.03)
     formats = dict(dtype=dtype, quantization=quantization, draft_quantization=draft_quantization)
-    ps = prompts()
+    ps = prompts(5)
     plain = make_engine(target, **formats)
     spec = make_engine(
         target, draft, num_speculative_tokens=4, speculative_policy="fixed", **formats

@@ -112,6 +112,7 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
             mine = [run for run in runs if run["category"] == group]
             row[f"{group}_plain_tok_s"] = statistics.median(x["plain_tok_s"] for x in mine)
             row[f"{group}_spec_tok_s"] = statistics.median(x["spec_tok_s"] for x in mine)
+            row[f"{group}_fixed_k_tok_s"] = statistics.median(x["fixed_k_tok_s"] for x in mine)
         target_ms = statistics.median(r["target_step_ms"] for r in results)
         draft_ms = statistics.median(r["draft_step_ms"] for r in results)
         judged = sum(x["first_position_judged"] for x in runs)
@@ -133,6 +134,7 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
             tokens_per_target_step=sum(x["emitted"] for x in runs)
             / max(1, sum(x["target_steps"] for x in runs)),
             spec_equals_plain=all(x["spec_equals_plain"] for x in runs),
+            auto_drafted=sum(x["auto_drafted"] for x in runs),
             matching_prefix_vs_fp32=statistics.mean(agreement) if agreement else None,
             identical_to_fp32=sum(a == 1.0 for a in agreement) if agreement else None,
             prompts=len(first_runs),
@@ -166,15 +168,17 @@ def markdown(result: dict) -> str:
         "Arm = `target dtype:target quantization/draft quantization` (the draft runs in the "
         "target's dtype).",
         "",
-        "| arm | code plain tok/s | code spec tok/s | chat plain tok/s | chat spec tok/s "
-        "| target step ms | draft step ms | draft / target | draft agreement | acceptance "
+        "| arm | code plain tok/s | code adaptive tok/s | code k=6 tok/s | chat plain tok/s "
+        "| chat adaptive tok/s | chat k=6 tok/s | adaptive drafted | target step ms "
+        "| draft step ms | draft / target | draft agreement | acceptance (k=6) "
         "| spec == plain | prefix kept vs fp32 | perplexity | peak RSS GiB |",
-        "|---" * 15 + "|",
+        "|---" * 17 + "|",
     ]
     for r in result["arms"]:
         lines.append(
             f"| `{r['arm']}` | {f(r['code_plain_tok_s'])} | {f(r['code_spec_tok_s'])} "
-            f"| {f(r['chat_plain_tok_s'])} | {f(r['chat_spec_tok_s'])} "
+            f"| {f(r['code_fixed_k_tok_s'])} | {f(r['chat_plain_tok_s'])} "
+            f"| {f(r['chat_spec_tok_s'])} | {f(r['chat_fixed_k_tok_s'])} | {r['auto_drafted']} "
             f"| {f(r['target_step_ms'], '.0f')} | {f(r['draft_step_ms'], '.0f')} "
             f"| {f(r['draft_over_target'])} | {f(r['draft_agreement'])} | {f(r['acceptance'])} "
             f"| {'yes' if r['spec_equals_plain'] else 'NO'} "
@@ -183,8 +187,10 @@ def markdown(result: dict) -> str:
         )
     lines += [
         "",
-        "Draft agreement: share of first draft positions where the draft's greedy token equals "
-        "the target's. Acceptance: accepted / drafted tokens under the adaptive policy. Prefix "
+        "Adaptive: `speculative=auto` with the adaptive policy (adaptive drafted: draft tokens it "
+        "proposed over all prompts; 0 means it chose plain decode). k=6: `speculative=on`, six "
+        "drafts every step. Draft agreement: share of first draft positions (k=6 runs) where the "
+        "draft's greedy token equals the target's. Acceptance: accepted / drafted tokens. Prefix "
         "kept vs fp32: mean share of the fp32 target's plain greedy output reproduced before the "
         "first differing token (in brackets, prompts identical throughout). Perplexity: the "
         "target on `evals/data/heldout/mixed.txt`. Peak RSS: the arm's whole process (both "

@@ -2,7 +2,8 @@
 
 An arm is the real pair loaded in one format (target dtype and quantization, draft quantization).
 It is measured on its own process so its peak resident memory is its own: batch-1 greedy decode,
-plain and speculative (adaptive policy), per prompt; one-row forward times of target and draft;
+plain, speculative with the adaptive policy, and speculative with always k drafts (which the
+acceptance and draft agreement are taken from), per prompt; one-row forward times of target and draft;
 the target's perplexity on a held-out text.
 """
 
@@ -126,15 +127,20 @@ def measure_arm(
     for prompt_id, category, ids in prompts:
         plain = engine.generate([ids], greedy(max_tokens), speculative="off")[0]
         spec = engine.generate([ids], greedy(max_tokens), speculative="auto")[0]
-        stats = spec.spec_stats
+        # Always k drafts: acceptance and agreement of the draft whatever the policy decides.
+        fixed = engine.generate([ids], greedy(max_tokens), speculative="on")[0]
+        stats = fixed.spec_stats
         runs.append(
             {
                 "id": prompt_id,
                 "category": category,
                 "plain_tok_s": decode_rate(plain),
                 "spec_tok_s": decode_rate(spec),
+                "fixed_k_tok_s": decode_rate(fixed),
+                "auto_drafted": spec.spec_stats.num_draft_tokens,
                 "plain_tokens": plain.output_token_ids,
-                "spec_equals_plain": spec.output_token_ids == plain.output_token_ids,
+                "spec_equals_plain": spec.output_token_ids == plain.output_token_ids
+                and fixed.output_token_ids == plain.output_token_ids,
                 "drafted": stats.num_draft_tokens,
                 "accepted": stats.num_accepted_tokens,
                 "first_position_judged": stats.judged_per_pos[0] if stats.judged_per_pos else 0,
