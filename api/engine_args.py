@@ -9,7 +9,9 @@ import typing
 from specdec.engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
+    DRAFT_QUANTIZATIONS,
     DTYPES,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     SPECULATIVE_MODES,
@@ -37,7 +39,12 @@ HELP = {
     "else full (docs/draft_vocab.md)",
     "draft_vocab_table": "frequency table for --draft-vocab-size (default: the one shipped for the "
     "Qwen2.5 tokenizer)",
-    "dtype": "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": "weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, "
+    "else float32; docs/formats.md)",
+    "quantization": "target's linear-layer weights (CPU): int8 = int8 weights and per-row int8 "
+    "activations, greedy speculative output still equal to plain output of the int8 model",
+    "draft_quantization": "draft's linear-layer weights (CPU): int8 as for the target, or "
+    "int8-dynamic (one activation scale per batch); drafts may be lossy, outputs stay exact",
     "device": "where models run",
     "attention_backend": "attention kernels (auto: FlashInfer on CUDA when it works, else torch)",
     "page_size": "tokens per KV block",
@@ -64,6 +71,8 @@ CHOICES = {
     "speculative_mode": SPECULATIVE_MODES,
     "speculative_policy": SPECULATIVE_POLICIES,
     "dtype": DTYPES,
+    "quantization": QUANTIZATIONS,
+    "draft_quantization": DRAFT_QUANTIZATIONS,
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,

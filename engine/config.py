@@ -14,6 +14,9 @@ SPECULATIVE_MODES = ("auto", "on", "off")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
 SCHEDULING_POLICIES = ("fcfs", "spf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight formats of the linear layers (CPU): see specdec.engine.models.quant and docs/formats.md.
+QUANTIZATIONS = ("none", "int8")
+DRAFT_QUANTIZATIONS = ("none", "int8", "int8-dynamic")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -36,6 +39,8 @@ class EngineConfig:
     draft_vocab_size: int | None = None
     draft_vocab_table: str | None = None
     dtype: str = "auto"
+    quantization: str = "none"
+    draft_quantization: str = "none"
     device: str = "auto"
     attention_backend: str = "auto"
     page_size: int = 16
@@ -76,6 +81,19 @@ class EngineConfig:
             f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
         )
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        check(
+            self.draft_quantization in DRAFT_QUANTIZATIONS,
+            f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
+            f"got {self.draft_quantization!r}",
+        )
+        check(
+            self.device != "cuda" or (self.quantization, self.draft_quantization) == ("none",) * 2,
+            "--quantization and --draft-quantization are CPU formats; on CUDA leave them 'none'",
+        )
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         check(
             self.attention_backend in ATTENTION_BACKENDS,

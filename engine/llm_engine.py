@@ -20,7 +20,13 @@ from specdec.engine.device_memory import RuntimeShapes, runtime_bytes
 from specdec.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from specdec.engine.gpu_sampling import flashinfer_sampling_kernels, probs_for_rows, verify_drafts
 from specdec.engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
-from specdec.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from specdec.engine.loader import (
+    LoadedModel,
+    check_quantization,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from specdec.engine.model_runner import ModelRunner, RunEntry
 from specdec.engine.models.arch import ModelArch
 from specdec.engine.models.fused_ops import FusedOps, probe_fused_ops
@@ -73,14 +79,30 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type != "cpu" and {config.quantization, config.draft_quantization} != {
+            "none"
+        }:
+            raise ConfigError("--quantization and --draft-quantization are CPU formats")
         torch.manual_seed(config.seed)
-        self.target = target or load_model(config.model, self.dtype, self.device, progress=progress)
+        self.target = target or load_model(
+            config.model,
+            self.dtype,
+            self.device,
+            progress=progress,
+            quantization=config.quantization,
+        )
+        check_quantization(self.target, config.quantization, "target")
         self.tokenizer = self.target.tokenizer
         self.draft: LoadedModel | None = None
         if config.speculative_method == "draft_model":
             self.draft = draft or load_model(
-                config.draft_model or "", self.dtype, self.device, progress=progress
+                config.draft_model or "",
+                self.dtype,
+                self.device,
+                progress=progress,
+                quantization=config.draft_quantization,
             )
+            check_quantization(self.draft, config.draft_quantization, "draft")
             _check_same_vocabulary(self.target, self.draft)
         self.max_model_len = min(config.max_model_len, self.target.arch.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()

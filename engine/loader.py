@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from specdec.engine.cpu_features import has_fast_bf16
 from specdec.engine.models import ModelArch, build_model, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
 
@@ -36,9 +37,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bf16 on CUDA, and on CPUs with bf16 matrix units (AMX or AVX-512 BF16), where
+    oneDNN's bf16 products read half the bytes of fp32 ones; fp32 on other CPUs, where bf16 is
+    emulated and slower than fp32. Both keep greedy speculative output equal to plain output."""
     if name == "auto":
-        # bf16 matrix products are slow on CPUs without AVX-512/AMX; fp32 is the fast CPU path.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
     return getattr(torch, name)
 
 
@@ -48,13 +53,14 @@ def load_model(
     device: torch.device,
     load_tokenizer: bool = True,
     progress: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
     from specdec.engine.weights import iter_safetensors_weights, load_hf_config, resolve_model
 
     start = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
     arch = model_arch_from_hf_config(load_hf_config(path))
-    model = build_model(arch, iter_safetensors_weights(path), dtype, device)
+    model = build_model(arch, iter_safetensors_weights(path), dtype, device, quantization)
     tokenizer = None
     if load_tokenizer and any((path / f).exists() for f in TOKENIZER_FILES):
         from specdec.engine.tokenizer import Tokenizer
@@ -63,3 +69,14 @@ def load_model(
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s) in %.1f s", path, arch.architecture, seconds)
     return LoadedModel(path, arch, model, tokenizer, seconds)
+
+
+def check_quantization(loaded: LoadedModel, quantization: str, role: str) -> None:
+    """A model handed to the engine already built must be in the format the config names."""
+    if loaded.model.quantization != quantization:
+        from specdec.engine.errors import ConfigError
+
+        raise ConfigError(
+            f"the {role} model was built with quantization {loaded.model.quantization!r} but "
+            f"the config asks for {quantization!r}"
+        )

@@ -50,12 +50,15 @@ def build_policy(
         max_model_len=max_model_len,
     )
     if config.controller_warmup:
-        models = [config.model]
+        # Weight formats and a pruned draft head set the timings as much as the models do: they
+        # are part of the key (plain models keep the keys their tables were cached under).
+        models = [_with_format(config.model, config.quantization)]
         if draft is not None:
-            # A vocabulary-pruned draft head costs less per forward: its own calibration.
             kept = draft.output_token_ids
             pruned = f" (head of {len(kept)} rows)" if kept is not None else ""
-            models.append((config.draft_model or "") + pruned)
+            models.append(
+                _with_format(config.draft_model or "", config.draft_quantization) + pruned
+            )
         spec = CalibrationSpec(
             max_num_seqs=config.max_num_seqs,
             k_max=k_max,
@@ -71,3 +74,7 @@ def build_policy(
         table.seed(policy.cost)
         logger.info("speculation policy seeded with %d timed shapes", len(table.samples))
     return policy
+
+
+def _with_format(model: str, quantization: str) -> str:
+    return model if quantization == "none" else f"{model} ({quantization})"

@@ -24,7 +24,6 @@ entries (the prefill-context points; the decode slope where a table has none).
 from __future__ import annotations
 
 import bisect
-import subprocess
 from collections.abc import Sequence
 
 MAX_K = 6
@@ -41,16 +40,9 @@ SHORT_CONTEXT = 32  # what the calibration timer puts before every shape by defa
 
 def cpu_flags_summary() -> str:
     """The vector-unit flags that decide CPU matrix speed (AVX2, AVX-512, bf16, AMX)."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("Flags:"):
-            flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
-    return " ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted)
+    from specdec.engine.cpu_features import vector_flags_summary
+
+    return vector_flags_summary()
 
 
 def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:

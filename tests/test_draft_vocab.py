@@ -9,6 +9,7 @@ import torch
 from specdec.engine.config import EngineConfig
 from specdec.engine.errors import ConfigError
 from specdec.engine.models.layers import Linear
+from specdec.engine.models.quant import Int8Dynamic, Int8RowScaled
 from specdec.engine.sampling import RowContext, compute_probs, sample
 from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import expected, prompts, run_staggered
@@ -154,9 +155,22 @@ def test_row_subset_computes_the_chosen_rows(packed):
     if packed and not full.pack_for_cpu():
         pytest.skip("no oneDNN on this build")
     sub = full.row_subset(rows)
-    assert sub.out_features == 4 and (sub._packed is not None) == packed
+    assert sub.out_features == 4 and (sub.kernel is not None) == packed
     torch.testing.assert_close(sub(x), want[:, rows], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sub(x[:1]), want[:1, rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [Int8RowScaled, Int8Dynamic])
+def test_row_subset_of_an_int8_layer_keeps_its_format_and_rows(kernel):
+    torch.manual_seed(0)
+    full = Linear(16, 40, bias=False)
+    full.weight.data.normal_()
+    full.set_kernel(kernel(full.weight))
+    rows = torch.tensor([0, 7, 8, 39])
+    sub = full.row_subset(rows)
+    assert isinstance(sub.kernel, kernel) and sub.out_features == 4
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(sub(x), full(x)[:, rows], rtol=1e-2, atol=1e-2)
 
 
 def test_pruned_draft_reads_n_rows_and_leaves_the_loaded_model_alone(target, draft, table):
@@ -193,7 +207,8 @@ def test_embedded_logits_give_q_zero_off_the_kept_set(params):
 # ---------------------------------------------------------------- end to end
 
 
-def test_greedy_output_is_token_identical_to_plain_decode(target, draft, table):
+@pytest.mark.parametrize("draft_quantization", ["none", "int8-dynamic"])
+def test_greedy_output_is_token_identical_to_plain_decode(target, draft, table, draft_quantization):
     engine = make_engine(
         target,
         draft,
@@ -201,7 +216,11 @@ def test_greedy_output_is_token_identical_to_plain_decode(target, draft, table):
         speculative_mode="on",
         draft_vocab_size=KEEP,
         draft_vocab_table=table,
+        draft_quantization=draft_quantization,
     )
+    head = engine.proposer.runner.model.lm_head
+    assert head.out_features == KEEP
+    assert (draft_quantization == "none") == (not isinstance(head.kernel, Int8Dynamic))
     free0 = engine.allocator.num_free_blocks
     ps = prompts()
     outs = run_staggered(engine, ps)

@@ -52,11 +52,13 @@ def tiny_hf_model(
     return model
 
 
-def loaded_from_hf(hf_model, dtype=torch.float32, device="cpu") -> LoadedModel:
+def loaded_from_hf(
+    hf_model, dtype=torch.float32, device="cpu", quantization: str = "none"
+) -> LoadedModel:
     cfg = hf_model.config.to_dict()
     arch = model_arch_from_hf_config(cfg)
     weights = ((n, t.detach().clone()) for n, t in hf_model.state_dict().items())
-    model = build_model(arch, weights, dtype, torch.device(device))
+    model = build_model(arch, weights, dtype, torch.device(device), quantization)
     return LoadedModel(Path("."), arch, model, None, 0.0)
 
 
@@ -78,10 +80,13 @@ def make_engine(target_hf, draft_hf=None, **overrides) -> LLMEngine:
     if defaults["speculative_method"] != "draft_model":
         draft_hf = None
     cfg = EngineConfig(**defaults)
-    # Weights on the engine's device and dtype (CPU float32 unless a test asks for CUDA).
+    # Weights on the engine's device, dtype and formats (CPU float32 unless a test asks).
     where = (getattr(torch, cfg.dtype), cfg.device)
-    draft = loaded_from_hf(draft_hf, *where) if draft_hf is not None else None
-    return LLMEngine(cfg, target=loaded_from_hf(target_hf, *where), draft=draft, progress=False)
+    draft = None
+    if draft_hf is not None:
+        draft = loaded_from_hf(draft_hf, *where, quantization=cfg.draft_quantization)
+    target = loaded_from_hf(target_hf, *where, quantization=cfg.quantization)
+    return LLMEngine(cfg, target=target, draft=draft, progress=False)
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:

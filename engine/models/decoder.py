@@ -97,6 +97,8 @@ class DecoderLM(nn.Module):
         )
         # The vocabulary ids of lm_head's rows, in order; None: all of them (`with_output_rows`).
         self.output_token_ids: torch.Tensor | None = None
+        # The linear layers' weight format (`specdec.engine.models.quant`), set by build_model.
+        self.quantization = "none"
 
     @torch.inference_mode()
     def forward(

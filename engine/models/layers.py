@@ -31,20 +31,46 @@ class ElementwiseOps(Protocol):
     ) -> None: ...
 
 
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _onednn_available(dtype: torch.dtype) -> bool:
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+class OneDNNPacked:
+    """A weight reordered once into oneDNN's blocked layout for this machine's kernels.
+
+    On CPU the default (MKL) GEMM gets several times slower from 1 to 2..16 rows, which makes
+    verifying k draft tokens cost far more than decoding one; the packed path costs nearly the same
+    for 1..16 rows. Measured on this project's CPUs (fp32, and bf16 on AVX-512 BF16 / AMX), it
+    computes each row identically for every row count >= 2, so one-row inputs are padded to two
+    rows: a token's logits then do not depend on how many other rows share its batch, and greedy
+    speculative output equals greedy plain output bit for bit.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def dense(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 1:
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.expand(2, -1), self.packed, bias, "none", [], ""
+            )
+            return y[:1]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with an optional CPU fast path through a oneDNN pre-packed weight.
-
-    Why: on CPU the default (MKL) GEMM gets several times slower from 1 to 2..16 rows, which makes
-    verifying k draft tokens cost far more than decoding one. oneDNN with a weight reordered once
-    for the machine's kernels costs nearly the same for 1..16 rows. Measured on this project's
-    CPUs, the packed path computes each row identically for every row count >= 2, so one-row
-    inputs are padded to two rows: a token's logits then do not depend on how many other rows
-    share its batch, and greedy speculative output equals greedy plain output bit for bit.
-    """
+    """y = x W^T + b. On CPU the weight moves into a `kernel` (a oneDNN-packed copy, or an int8
+    format from `specdec.engine.models.quant`) that replaces the plain tensor."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -52,43 +78,64 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self._packed: torch.Tensor | None = None
+        self.kernel: LinearKernel | None = None
 
     def pack_for_cpu(self) -> bool:
-        """Reorder the weight for oneDNN (fp32 CPU only) and drop the plain copy. True if packed."""
+        """Reorder the weight for oneDNN (fp32, or bf16 where oneDNN supports it) and drop the
+        plain copy. True if packed."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not _onednn_available():
+        if self.kernel is not None or w.device.type != "cpu" or not _onednn_available(w.dtype):
             return False
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        # The packed copy replaces the plain one: keep an empty placeholder so the parameter still
-        # names the layer's shape in state-dict listings without holding its memory twice.
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.set_kernel(OneDNNPacked(w))
         return True
 
     def row_subset(self, rows: torch.Tensor) -> Linear:
         """A Linear computing only output features ``rows`` ([n] int64) of this one, in the same
-        format (a packed weight is packed again): the n weight rows are gathered once, here."""
-        weight = self.weight if self._packed is None else self._packed.to_dense()
+        format (a kernel is built again over the gathered rows): the n rows are gathered once."""
+        weight = self.weight if self.kernel is None else self.kernel.dense()
         idx = rows.to(device=weight.device, dtype=torch.int64)
         with torch.device(weight.device):
             sub = Linear(self.in_features, len(idx), bias=self.bias is not None)
-        sub.weight = nn.Parameter(weight.detach().index_select(0, idx), requires_grad=False)
+        sub.weight = nn.Parameter(
+            weight.detach().index_select(0, idx).to(self.weight.dtype), requires_grad=False
+        )
         if self.bias is not None:
             sub.bias = nn.Parameter(self.bias.detach().index_select(0, idx), requires_grad=False)
-        if self._packed is not None:
-            sub.pack_for_cpu()
+        if self.kernel is not None:
+            sub.set_kernel(type(self.kernel)(sub.weight))
         return sub
 
+    def set_kernel(self, kernel: LinearKernel) -> None:
+        """Compute through `kernel` from now on; the plain weight is released."""
+        self.kernel = kernel
+        # Keep an empty placeholder so the parameter still names the layer in state-dict listings
+        # without holding its memory twice.
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the layer's weight occupies in whatever form it is kept."""
+        if self.kernel is not None:
+            return self.kernel.nbytes
+        return self.weight.numel() * self.weight.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self._packed is None:
+        if self.kernel is None:
             return F.linear(x, self.weight, self.bias)
         bias = self.bias.detach() if self.bias is not None else None
-        if x.shape[0] == 1:
-            y = torch.ops.mkldnn._linear_pointwise(
-                x.expand(2, -1), self._packed, bias, "none", [], ""
-            )
-            return y[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return self.kernel(x, bias)
+
+
+class LinearKernel(Protocol):
+    """A weight held in a computing format: y = x W^T + b in x's dtype."""
+
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def dense(self) -> torch.Tensor:
+        """The weight as a plain [out, in] tensor (dequantized where it is quantized)."""
+        ...
 
 
 class RMSNorm(nn.Module):

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from specdec.engine.models.arch import ModelArch, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
+from specdec.engine.models.quant import quantize_model
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen2ForCausalLM": DecoderLM,
@@ -32,13 +33,20 @@ def build_model(
     weights: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     device: torch.device,
+    quantization: str = "none",
 ) -> DecoderLM:
-    """Instantiate, load weights tensor by tensor, and prepare kernels for the device."""
+    """Instantiate, load weights tensor by tensor, and prepare kernels for the device: the linear
+    layers in `quantization` (a scheme of `specdec.engine.models.quant`; CPU only), else packed
+    for oneDNN on CPU."""
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on CPU only, not on {device.type}")
     model = instantiate_model(arch, dtype, device)
     model.load_weights(weights)
     model.rope.to(torch.float32)
     model.eval()
-    if device.type == "cpu" and dtype == torch.float32:
+    model.quantization = quantization
+    quantize_model(model, quantization)
+    if device.type == "cpu":
         model.pack_linear_weights()
     return model
 

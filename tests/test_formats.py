@@ -1,0 +1,163 @@
+"""Weight formats (fp32, bf16, int8): row-independent kernels keep greedy speculative output equal
+to greedy plain output of the same format; the dtype 'auto' choice; bad format requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specdec.engine.config import EngineConfig
+from specdec.engine.cpu_features import has_fast_bf16, parse_cpu_flags, vector_flags_summary
+from specdec.engine.errors import ConfigError
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.loader import resolve_dtype
+from specdec.engine.models.layers import Linear
+from specdec.engine.models.quant import Int8Dynamic, Int8RowScaled, quantize_model
+from specdec.engine.sampling_params import SamplingParams
+from test_engine_greedy import prompts, run_staggered
+from tiny_models import loaded_from_hf, make_engine, noisy_copy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+BF16_PACKED = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _linear(dtype: torch.dtype, out_features: int = 96, in_features: int = 64) -> Linear:
+    torch.manual_seed(0)
+    layer = Linear(in_features, out_features, bias=True).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(0, in_features**-0.5)
+        layer.bias.normal_(0, 0.1)
+    return layer
+
+
+def _rows_alone_equal_rows_in_batch(layer: Linear, dtype: torch.dtype) -> bool:
+    x = torch.randn(16, layer.in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    batch = layer(x)
+    return all(torch.equal(layer(x[i : i + 1])[0], batch[i]) for i in range(16))
+
+
+@pytest.mark.parametrize(
+    "dtype, scheme",
+    [
+        (torch.float32, "packed"),
+        pytest.param(
+            torch.bfloat16,
+            "packed",
+            marks=pytest.mark.skipif(not BF16_PACKED, reason="oneDNN has no bf16 on this CPU"),
+        ),
+        (torch.float32, "int8"),
+        (torch.bfloat16, "int8"),
+    ],
+)
+def test_row_exact_formats_compute_a_row_alone_as_in_a_batch_of_16(dtype, scheme):
+    layer = _linear(dtype)
+    if scheme == "packed":
+        assert layer.pack_for_cpu()
+    else:
+        layer.set_kernel(Int8RowScaled(layer.weight))
+    assert _rows_alone_equal_rows_in_batch(layer, dtype)
+
+
+def test_dynamic_int8_rows_depend_on_their_batch_mates():
+    # One activation scale per call: a batch-mate with a larger magnitude changes a row's result.
+    # That is why this scheme is offered for drafts only.
+    layer = _linear(torch.float32)
+    layer.set_kernel(Int8Dynamic(layer.weight))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    x[1] *= 50
+    assert not torch.equal(layer(x[:1])[0], layer(x)[0])
+
+
+@pytest.mark.parametrize("kernel", [Int8RowScaled, Int8Dynamic])
+def test_int8_kernels_stay_close_to_the_float_product(kernel):
+    layer = _linear(torch.float32, out_features=40, in_features=24)  # shapes off the 8 grid
+    want = layer(torch.ones(1, 24))  # plain weights still
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(3))
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.set_kernel(kernel(layer.weight))
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 0.03
+    assert layer.weight_bytes < 40 * 24 * 4 / 3  # int8 values plus one fp32 scale per row
+
+
+def test_quantize_model_converts_every_linear_and_shrinks_the_weights(target):
+    plain = loaded_from_hf(target).model
+    quantized = loaded_from_hf(target, quantization="int8").model
+    linears = [m for m in quantized.modules() if isinstance(m, Linear)]
+    assert quantized.quantization == "int8"
+    assert all(isinstance(m.kernel, Int8RowScaled) for m in linears)
+    bytes_of = lambda model: sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))  # noqa: E731
+    assert bytes_of(quantized) < 0.3 * bytes_of(plain)
+    with pytest.raises(ValueError, match="plain CPU weights"):
+        quantize_model(quantized, "int8")  # already converted: no plain weights left
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_model(loaded_from_hf(target).model, "int4")
+
+
+FORMATS = [
+    ("float32", "none", "none"),
+    ("bfloat16", "none", "none"),
+    ("float32", "int8", "none"),
+    ("bfloat16", "int8", "int8"),
+    ("float32", "none", "int8-dynamic"),
+    ("bfloat16", "int8", "int8-dynamic"),
+]
+
+
+@pytest.mark.parametrize("dtype, quantization, draft_quantization", FORMATS)
+def test_greedy_speculative_equals_greedy_plain_per_format(
+    target, dtype, quantization, draft_quantization
+):
+    if dtype == "bfloat16" and not BF16_PACKED:
+        pytest.skip("oneDNN has no bf16 on this CPU")
+    draft = noisy_copy(target, 0.03)
+    formats = dict(dtype=dtype, quantization=quantization, draft_quantization=draft_quantization)
+    ps = prompts(5)
+    plain = make_engine(target, **formats)
+    spec = make_engine(
+        target, draft, num_speculative_tokens=4, speculative_policy="fixed", **formats
+    )
+    free0 = spec.allocator.num_free_blocks
+    want = run_staggered(plain, ps, GREEDY)
+    assert run_staggered(spec, ps, GREEDY, spec="on") == want
+    # The draft is neither perfect nor useless here: acceptances, rejections and rollbacks.
+    stats = spec.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[1] > 0  # some steps commit several drafted tokens
+    assert spec.allocator.num_free_blocks == free0
+
+
+def test_cpu_flags_choose_bf16_for_auto(monkeypatch):
+    amx = parse_cpu_flags("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n")
+    assert has_fast_bf16(amx) and vector_flags_summary(amx) == "avx2 avx512f amx_tile amx_bf16"
+    assert has_fast_bf16(frozenset({"avx512_bf16"}))
+    assert not has_fast_bf16(parse_cpu_flags("flags : fpu avx2 fma\n"))
+    assert not has_fast_bf16(parse_cpu_flags("no flags line here"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr("specdec.engine.loader.has_fast_bf16", lambda fast=fast: fast)
+        assert resolve_dtype("auto", cpu) == want
+        assert resolve_dtype("auto", cuda) == torch.bfloat16
+        assert resolve_dtype("float32", cpu) == torch.float32
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"quantization": "int4"}, "quantization must be one of"),
+        ({"draft_quantization": "int8-dynamic-please"}, "draft_quantization must be one of"),
+        ({"quantization": "int8-dynamic"}, "quantization must be one of"),  # target: row-exact only
+        ({"device": "cuda", "quantization": "int8"}, "CPU formats"),
+    ],
+)
+def test_bad_format_settings_are_config_errors(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**fields)
+
+
+def test_a_prebuilt_model_in_another_format_is_refused(target):
+    config = EngineConfig(
+        model="tiny", draft_model=None, speculative_method="none", device="cpu", quantization="int8"
+    )
+    with pytest.raises(ConfigError, match="built with quantization 'none'"):
+        LLMEngine(config, target=loaded_from_hf(target), progress=False)
