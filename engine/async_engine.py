@@ -91,7 +91,23 @@ class EngineSnapshot:
     loop_time: float = 0.0  # time.monotonic() of the iteration that published this
 
 
-class RequestStream:
+class OutputStream:
+    """Async iteration over a request's outputs: ``get()`` until the finished one."""
+
+    finished: bool
+
+    async def get(self) -> RequestOutput:
+        raise NotImplementedError
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.get()
+
+
+class RequestStream(OutputStream):
     """The outputs of one request, in order, as the engine produces them.
 
     Iterating yields ``RequestOutput``s until the finished one; an engine failure is raised from
@@ -117,13 +133,6 @@ class RequestStream:
         if item.finished:
             self.finished = True
         return item
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            yield await self.get()
 
 
 @dataclass

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from specdec.api.cluster.replica import Accepted, EngineRequest, ReplicaInfo
-from specdec.engine.async_engine import EngineDeadError, EngineSnapshot, QueueFullError
+from specdec.engine.async_engine import (
+    EngineDeadError,
+    EngineSnapshot,
+    OutputStream,
+    QueueFullError,
+)
 from specdec.engine.config import EngineConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
@@ -60,7 +65,7 @@ def _dead(message: str) -> EngineDeadError:
     return EngineDeadError(message)
 
 
-class RemoteStream:
+class RemoteStream(OutputStream):
     """A request's outputs from its replica; the interface of ``async_engine.RequestStream``."""
 
     def __init__(
@@ -95,13 +100,6 @@ class RemoteStream:
         if item.finished:
             self._finish()
         return item
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            yield await self.get()
 
     def cancel(self) -> None:
         self._gen.cancel()
