@@ -265,6 +265,13 @@ def replay_arch() -> ModelArch:
     )
 
 
+class _NoWeights:
+    """The model slot of a replayed `LoadedModel`: plain weights, a full head."""
+
+    quantization = "none"
+    output_token_ids = None
+
+
 class ReplayEngine(LLMEngine):
     cache_calibration = False  # simulated forwards: the step-cost table is measured every time
 
@@ -284,8 +291,10 @@ class ReplayEngine(LLMEngine):
             "draft": TraceDraftRunner(book, costs, clock),
         }
         arch = replay_arch()
-        target = LoadedModel(Path("replay-target"), arch, None, None, 0.0)  # type: ignore[arg-type]
-        draft = LoadedModel(Path("replay-draft"), arch, None, None, 0.0)  # type: ignore[arg-type]
+        # No weights: the trace runners stand in for the models; the engine reads only their format.
+        model = _NoWeights()
+        target = LoadedModel(Path("replay-target"), arch, model, None, 0.0)  # type: ignore[arg-type]
+        draft = LoadedModel(Path("replay-draft"), arch, model, None, 0.0)  # type: ignore[arg-type]
         super().__init__(config, target=target, draft=draft, progress=False, clock=clock)
 
     def _make_runner(self, loaded: LoadedModel, graph_q_lens: list[int]):  # type: ignore[override]
