@@ -54,13 +54,15 @@ class _CapturingRunner:
         return logits
 
 
-def plain_engine(loaded: LoadedModel, kv_gib: float, max_num_seqs: int, seed: int) -> LLMEngine:
+def plain_engine(
+    loaded: LoadedModel, kv_gib: float, max_num_seqs: int, seed: int, dtype: str = "float32"
+) -> LLMEngine:
     config = EngineConfig(
         model=str(loaded.path),
         draft_model=None,
         speculative_method="none",
         device="cpu",
-        dtype="float32",
+        dtype=dtype,
         kv_cache_memory=kv_gib,
         max_num_seqs=max_num_seqs,
         controller_warmup=False,

@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperatures", default="0,1", help="temperatures (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampled paths")
     g.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weight format of both models (default: %(default)s); verify rows cost differently "
+        "per format, so a cost table is per format",
+    )
     g.add_argument("--max-num-seqs", type=int, default=16, help="batch while generating paths")
     g.add_argument("--no-cost-table", action="store_true", help="skip the step-cost table")
     g.add_argument(
@@ -67,12 +74,12 @@ def run(args: argparse.Namespace) -> int:
     categories = parse_categories(args.categories)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    dtype, device = torch.float32, torch.device("cpu")
+    dtype, device = getattr(torch, args.dtype), torch.device("cpu")
     target = load_model(args.model, dtype, device, progress=False)
     draft = load_model(args.draft_model, dtype, device, progress=False)
     # Pools big enough for the batch and for four 4k contexts of the cost table, no more.
-    target_engine = plain_engine(target, 1.2, args.max_num_seqs, args.seed)
-    draft_engine = plain_engine(draft, 0.6, args.max_num_seqs, args.seed)
+    target_engine = plain_engine(target, 1.2, args.max_num_seqs, args.seed, args.dtype)
+    draft_engine = plain_engine(draft, 0.6, args.max_num_seqs, args.seed, args.dtype)
     if args.cost_table_only:
         existing = load_traces(args.output_dir)
         meta = dict(existing.meta)
@@ -80,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
         meta["cost_table_command"] = command_line()
         meta["cost_table_commit"] = git_commit()
         meta["cost_table_machine"] = dict(
-            environment_info(), cpu_flags=cpu_flags_summary(), dtype="float32", threads=args.threads
+            environment_info(),
+            cpu_flags=cpu_flags_summary(),
+            dtype=args.dtype,
+            threads=args.threads,
         )
         save_traces(args.output_dir, existing.requests, meta)
         print(f"measured a new cost table into {args.output_dir}")
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": dict(
             environment_info(),
             cpu_flags=cpu_flags_summary(),
-            dtype="float32",
+            dtype=args.dtype,
             threads=args.threads,
         ),
         # the engine the replay simulates: this pair's default KV pool and batch limits
