@@ -223,7 +223,12 @@ def chain_tree(
     """
     k = len(_as_list(token_ids, "token_ids"))
     if draft_probs is not None and draft_probs.dim() == 2 and draft_probs.shape[0] == k:
-        pad = torch.full_like(draft_probs[:1], float("nan"))
+        pad = torch.full(
+            (1, draft_probs.shape[1]),
+            float("nan"),
+            dtype=draft_probs.dtype,
+            device=draft_probs.device,
+        )
         draft_probs = torch.cat([draft_probs, pad])
     confidence = None
     if draft_probs is not None and k:

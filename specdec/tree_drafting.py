@@ -110,17 +110,10 @@ def expand(
     sampled: bool,
 ) -> DraftTree:
     """Append ``children[f]`` under frontier node ``f`` and store the frontier rows."""
-    nodes = frontier(tree)
-    if frontier_probs.dim() != 2 or frontier_probs.shape[0] != len(nodes):
-        raise ValueError(
-            f"frontier_probs must be [{len(nodes)}, vocab] (one row per frontier node), "
-            f"got {tuple(frontier_probs.shape)}"
-        )
+    nodes = _check_frontier(tree, frontier_probs)
     if len(children) != len(nodes):
         raise ValueError(f"got children for {len(children)} of {len(nodes)} frontier nodes")
     vocab = frontier_probs.shape[1]
-    if tree.vocab_size is not None and tree.vocab_size != vocab:
-        raise ValueError(f"frontier_probs has width {vocab}, the tree's vocab is {tree.vocab_size}")
     if tree.num_nodes and sampled != tree.sampled:
         raise ValueError("a tree's children are either all sampled or all deterministic")
     device = frontier_probs.device
@@ -166,6 +159,7 @@ def grow_static_level(
     seeded request's races."""
     if branching < 1:
         raise ValueError(f"branching must be >= 1, got {branching}")
+    _check_frontier(tree, frontier_probs)
     counts = [branching] * len(frontier(tree))
     return expand(
         tree,
@@ -191,7 +185,7 @@ def grow_dynamic_level(
         raise ValueError(f"width must be >= 1, got {width}")
     if max_nodes < tree.num_nodes:
         raise ValueError(f"max_nodes={max_nodes} is below the tree's {tree.num_nodes} nodes")
-    nodes = frontier(tree)
+    nodes = _check_frontier(tree, frontier_probs)
     budget = min(width, max_nodes - tree.num_nodes)
     counts = [0] * len(nodes)
     if budget > 0:
@@ -305,3 +299,17 @@ def _children(
     # The row after a node at depth d picks the token at first_position + d.
     positions = [first_position + (tree.depths[n] if n >= 0 else 0) for n in frontier(tree)]
     return sampled_children(frontier_probs, counts, seed, positions if seed is not None else None)
+
+
+def _check_frontier(tree: DraftTree, frontier_probs: torch.Tensor) -> list[int]:
+    """The tree's frontier, after checking that ``frontier_probs`` has one row per node of it."""
+    nodes = frontier(tree)
+    if frontier_probs.dim() != 2 or frontier_probs.shape[0] != len(nodes):
+        raise ValueError(
+            f"frontier_probs must be [{len(nodes)}, vocab] (one row per frontier node), "
+            f"got {tuple(frontier_probs.shape)}"
+        )
+    vocab = frontier_probs.shape[1]
+    if tree.vocab_size is not None and tree.vocab_size != vocab:
+        raise ValueError(f"frontier_probs has width {vocab}, the tree's vocab is {tree.vocab_size}")
+    return nodes

@@ -235,6 +235,8 @@ def _walk_rejection(
         q = None
         if tree.sampled:
             q = tree.draft_probs[node + 1].to(device=p.device, dtype=torch.float32)
+            if not bool(torch.isfinite(q).all()):
+                raise ValueError(f"the draft row of node {node} (parent of {children}) is missing")
         accepted = None
         for rank, child in enumerate(children):
             token = tree.tokens[child]
@@ -259,14 +261,19 @@ def _walk_rejection(
             if bool(mass > 0):
                 p = residual / mass.clamp_min(1e-30)
             if q is not None:
-                q = q.clone()
-                q[token] = 0.0
-                q_mass = q.sum()
-                if bool(q_mass > 0):
-                    q = q / q_mass
+                q = _without(q, token)
         if accepted is None:
             return path, ranks, p  # every child rejected: draw from the final residual
         rank, node = accepted
         path.append(node)
         ranks.append(rank)
         p = rows[node + 1]
+
+
+def _without(q: torch.Tensor, token: int) -> torch.Tensor:
+    """``q`` (``[V]``) with ``token`` removed and renormalised: the distribution the next sibling
+    drawn without replacement came from."""
+    q = q.clone()
+    q[token] = 0.0
+    mass = q.sum()
+    return q / mass if bool(mass > 0) else q
