@@ -59,8 +59,8 @@ def empty_tree(
 
 
 def top_children(probs: torch.Tensor, counts: Sequence[int]) -> list[list[int]]:
-    """The ``counts[f]`` most probable tokens of row ``f`` of ``probs`` (``[F, V]``), descending
-    (lowest id first on ties); never a token of zero probability."""
+    """The ``counts[f]`` most probable tokens of row ``f`` of ``probs`` (``[F, V]``), most probable
+    first (in no fixed order among equal probabilities); never a token of zero probability."""
     if not counts or max(counts) == 0:
         return [[] for _ in counts]
     values, ids = probs.float().topk(min(max(counts), probs.shape[1]), dim=-1, sorted=True)
