@@ -18,6 +18,7 @@ from specdec.engine.attention.base import (
     build_attention_metadata,
     sequence_mask,
     slots_for_positions,
+    tree_mask_from_parents,
 )
 from specdec.engine.attention.flashinfer_backend import (
     build_flashinfer_custom_mask,
@@ -47,18 +48,6 @@ def depths(parents: list[int]) -> list[int]:
     for p in parents:
         out.append(0 if p < 0 else out[p] + 1)
     return out
-
-
-def ancestors_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: row j sees node j and its ancestors."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for j in range(n):
-        a = j
-        while a >= 0:
-            mask[j, a] = True
-            a = parents[a]
-    return mask
 
 
 def root_path(parents: list[int], j: int) -> list[int]:
@@ -118,7 +107,7 @@ def tree_entry(seq: Sequence, context: int) -> RunEntry:
         context,
         len(TREE_TOKENS),
         positions=[context + d for d in depths(PARENTS)],
-        tree_mask=ancestors_mask(PARENTS),
+        tree_mask=tree_mask_from_parents(PARENTS),
     )
 
 
@@ -246,7 +235,7 @@ def test_tree_entries_never_replay_graphs() -> None:
 # ---------------------------------------------------------------- bad input
 def test_bad_tree_input_raises_clear_errors() -> None:
     seq = SimpleNamespace(block_table=[0, 1, 2, 3])
-    ok = ancestors_mask(PARENTS[:4])
+    ok = tree_mask_from_parents(PARENTS[:4])
 
     def meta(mask, q: int = 4):
         return build_attention_metadata([q], [q + 5], [seq.block_table], PAGE, CPU, [mask])
@@ -277,13 +266,28 @@ def test_runner_refuses_a_bad_tree_before_touching_kv(models, alloc) -> None:
     try:
         before = [(k.clone(), v.clone()) for k, v in pair.kv.layers]
         bad = tree_entry(seq, 3)
-        bad.tree_mask = ancestors_mask(PARENTS).t().contiguous()  # every node sees its subtree
+        bad.tree_mask = (
+            tree_mask_from_parents(PARENTS).t().contiguous()
+        )  # every node sees its subtree
         with pytest.raises(ValueError, match="sequence 1: tree mask row 0 sees the later row 1"):
             pair.runner.run([RunEntry(seq, [1, 2, 3], 0, 1), bad])
         for (k, v), (k0, v0) in zip(pair.kv.layers, before, strict=True):
             assert torch.equal(k, k0) and torch.equal(v, v0)
     finally:
         alloc.free(seq)
+
+
+def test_tree_mask_from_parents() -> None:
+    mask = tree_mask_from_parents(PARENTS)
+    for j in range(len(PARENTS)):
+        assert mask[j].nonzero().flatten().tolist() == root_path(PARENTS, j)
+    assert torch.equal(
+        tree_mask_from_parents([-1, 0, 1]), torch.ones(3, 3, dtype=torch.bool).tril()
+    )
+    with pytest.raises(ValueError, match="node 2 has parent 2"):
+        tree_mask_from_parents([-1, 0, 2])
+    with pytest.raises(ValueError, match="node 1 has parent -2"):
+        tree_mask_from_parents([-1, -2])
 
 
 def test_copy_kv_slots_overlap_and_bad_input() -> None:
@@ -325,7 +329,13 @@ def test_copy_kv_slots_overlap_and_bad_input() -> None:
 TREE_BATCH = dict(  # a prompt chunk, a decode, a tree, a verify chain, a one-node "tree"
     q_lens=[7, 1, 8, 3, 1],
     kv_lens=[7, 12, 14, 21, 5],
-    tree_masks=[None, None, ancestors_mask(PARENTS), None, torch.ones(1, 1, dtype=torch.bool)],
+    tree_masks=[
+        None,
+        None,
+        tree_mask_from_parents(PARENTS),
+        None,
+        torch.ones(1, 1, dtype=torch.bool),
+    ],
 )
 
 

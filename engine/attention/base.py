@@ -87,6 +87,23 @@ def check_tree_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
     return mask
 
 
+def tree_mask_from_parents(parents: Sequence[int]) -> torch.Tensor:
+    """The ``[n, n]`` tree mask of n nodes listed parents first (breadth-first order, say).
+
+    ``parents[j]`` is node j's parent index, below j, or -1 for a root; row j sees node j and
+    its ancestors. Raises ValueError when a parent does not come before its child.
+    """
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(f"node {j} has parent {parent}; parents must come before children")
+        if parent >= 0:
+            mask[j] = mask[parent]
+        mask[j, j] = True
+    return mask
+
+
 def sequence_mask(
     q_len: int,
     kv_len: int,
