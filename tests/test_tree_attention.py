@@ -418,6 +418,90 @@ def test_flashinfer_custom_mask_layout_matches_the_torch_backend() -> None:
     assert not torch.allclose(ref.forward(q, k, v, k_pool, v_pool, causal)[8:16], got[8:16])
 
 
+class _FakeWrapper:
+    """Records FlashInfer wrapper construction and plan calls (the kernels need CUDA)."""
+
+    def __init__(self, workspace, layout, backend="auto", use_cuda_graph=False, **kwargs) -> None:
+        self.backend = backend
+        self.is_cuda_graph_enabled = use_cuda_graph
+        self.plans: list[tuple[tuple, dict]] = []
+
+    def plan(self, *args, **kwargs) -> None:
+        self.plans.append((args, kwargs))
+
+
+class _FakeDecode(_FakeWrapper):
+    pass
+
+
+class _FakeEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def routing_backend(monkeypatch):
+    """A FlashInfer backend wired to recording wrappers, so its routing runs on the CPU."""
+    from specdec.engine.attention.base import AttentionBackend
+    from specdec.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    fake = SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper,
+        BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
+    )
+    backend = object.__new__(FlashInferAttentionBackend)
+    AttentionBackend.__init__(backend, 4, 2, 8, CPU)
+    backend._flashinfer = fake
+    backend.prefill_kernel = "auto"
+    backend.workspace = torch.zeros(1, dtype=torch.uint8)
+    backend._prefill = _FakeWrapper(backend.workspace, "NHD", backend="auto")
+    backend._decode = _FakeDecode(backend.workspace, "NHD")
+    backend._tree_prefill = None
+    backend.dtype = torch.bfloat16
+    backend._planned = {}
+    return backend
+
+
+def test_flashinfer_routes_only_tree_batches_to_an_fa2_custom_mask_plan(routing_backend) -> None:
+    fi = routing_backend
+    q_lens, kv_lens = TREE_BATCH["q_lens"], TREE_BATCH["kv_lens"]
+    tables = random_pool(kv_lens, PAGE, seed=3)[0]
+    plain = build_attention_metadata(q_lens, kv_lens, tables, PAGE, CPU)
+    fi.plan(plain)
+    ((args, kwargs),) = fi._prefill.plans
+    assert plain.plan.wrapper is fi._prefill and fi._tree_prefill is None
+    assert kwargs["causal"] is True and "custom_mask" not in kwargs
+
+    tree = build_attention_metadata(q_lens, kv_lens, tables, PAGE, CPU, TREE_BATCH["tree_masks"])
+    fi.plan(tree)
+    wrapper = tree.plan.wrapper
+    assert wrapper is fi._tree_prefill and wrapper is not fi._prefill
+    assert wrapper.backend == "fa2" and not wrapper.is_cuda_graph_enabled
+    ((args, kwargs),) = wrapper.plans
+    assert torch.equal(kwargs["custom_mask"], build_flashinfer_custom_mask(tree))
+    assert kwargs["causal"] is False
+    ix = build_flashinfer_indices(tree)
+    for at, name in ((0, "qo_indptr"), (1, "paged_kv_indptr"), (3, "paged_kv_last_page_len")):
+        assert torch.equal(args[at].cpu(), ix[name])
+    assert kwargs["q_data_type"] == torch.bfloat16 and kwargs["sm_scale"] == fi.scale
+
+    fi.plan(plain)  # back to the causal wrapper; the tree wrapper is kept for the next tree
+    assert plain.plan.wrapper is fi._prefill and len(fi._prefill.plans) == 2
+    decodes = build_attention_metadata(
+        [1, 1], [5, 9], tables[:2], PAGE, CPU, [torch.ones(1, 1, dtype=torch.bool), None]
+    )
+    fi.plan(decodes)  # one-node trees are causal: the decode wrapper still serves them
+    assert decodes.plan.wrapper is fi._decode
+    graph = _FakeWrapper(fi.workspace, "NHD", backend="fa2", use_cuda_graph=True)
+    for refused in (fi._decode, graph):
+        with pytest.raises(ValueError, match="eager prefill wrapper only"):
+            fi.plan_wrapper(tree.plan, refused, torch.bfloat16)
+
+
 # ---------------------------------------------------------------- real FlashInfer (CUDA only)
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
