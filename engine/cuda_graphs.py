@@ -51,12 +51,18 @@ def graph_bucket(
     """The captured batch bucket a runner's batch replays in, or None to run it eagerly.
 
     ``entries`` have ``token_ids``, ``start_pos`` and ``num_logits`` (`RunEntry`). A batch fits
-    when every sequence feeds the same number of tokens and wants logits for all of them (plain
-    decodes, uniform verifies, one-token draft steps), some captured (bucket, q_len) holds it,
-    and no sequence outgrows the graph's page budget. Prompt chunks, verifies of mixed length
-    and long draft catch-ups run eagerly.
+    when every sequence feeds the same number of tokens at consecutive positions, attended
+    causally, and wants logits for all of them (plain decodes, uniform verifies, one-token draft
+    steps), some captured (bucket, q_len) holds it, and no sequence outgrows the graph's page
+    budget. Prompt chunks, verifies of mixed length, long draft catch-ups and any entry with
+    explicit positions or a tree mask (token trees) run eagerly.
     """
     if not entries:
+        return None
+    if any(
+        getattr(e, "positions", None) is not None or getattr(e, "tree_mask", None) is not None
+        for e in entries
+    ):
         return None
     q_len = len(entries[0].token_ids)
     if any(len(e.token_ids) != q_len or e.num_logits != q_len for e in entries):

@@ -8,6 +8,7 @@ models of page_size x (K+V bytes per token).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,3 +49,33 @@ def allocate_model_kv(
         for _ in range(arch.num_hidden_layers)
     ]
     return ModelKV(layers)
+
+
+def copy_kv_slots(kv: ModelKV, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+    """Copy the keys and values at pool slots ``src_slots[j]`` to ``dst_slots[j]``, in every layer.
+
+    Moves an accepted token-tree path into place: the node at depth d, verified at scratch slot
+    ``context_len + j`` (breadth-first index j >= d), goes to the slot of ``context_len + d``.
+    Each layer's sources are gathered into a new tensor before any destination is written, so
+    overlapping source and destination sets are safe in any order (the in-order case, where a
+    destination is the source of an earlier-listed node, included); destinations must be distinct.
+    Raises ValueError, with nothing copied, on lists of different lengths, a repeated destination
+    or a slot outside the pool.
+    """
+    if len(src_slots) != len(dst_slots):
+        raise ValueError(f"{len(src_slots)} source slots for {len(dst_slots)} destinations")
+    if len(set(dst_slots)) != len(dst_slots):
+        raise ValueError(f"destination slots must be distinct, got {list(dst_slots)}")
+    if not kv.layers or not src_slots:
+        return
+    k0 = kv.layers[0][0]
+    num_slots = k0.shape[0] * k0.shape[1]
+    bad = [s for s in (*src_slots, *dst_slots) if not 0 <= s < num_slots]
+    if bad:
+        raise ValueError(f"slots {bad} are outside the pool of {num_slots} slots")
+    src = torch.tensor(list(src_slots), dtype=torch.int64, device=k0.device)
+    dst = torch.tensor(list(dst_slots), dtype=torch.int64, device=k0.device)
+    for k_cache, v_cache in kv.layers:
+        for cache in (k_cache, v_cache):
+            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+            flat.index_copy_(0, dst, flat.index_select(0, src))

@@ -18,12 +18,39 @@ if TYPE_CHECKING:
 
 @dataclass
 class RunEntry:
-    """Tokens of one sequence to run at positions start_pos.., keeping the last num_logits rows."""
+    """Tokens of one sequence to run after its first start_pos keys, keeping the last num_logits
+    rows.
+
+    Their keys and values go to the slots of positions ``start_pos .. start_pos + n - 1``, and
+    by default those are also the tokens' positions, attended causally. A token tree sets both
+    optional fields: ``positions`` (one per token: its rotary position, ``context_len + depth``
+    for a node) and ``tree_mask`` (``[n, n]`` bool over the entry's tokens, see
+    `attention.base`), so node j's KV sits at scratch slot ``start_pos + j`` while it attends to
+    the committed keys and its ancestors only. Entries with either field never replay a CUDA
+    graph.
+    """
 
     seq: Sequence
     token_ids: Seq[int]
     start_pos: int
     num_logits: int
+    positions: Seq[int] | None = None
+    tree_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.positions is not None and len(self.positions) != len(self.token_ids):
+            raise ValueError(
+                f"{len(self.positions)} positions for {len(self.token_ids)} tokens; need one each"
+            )
+        if self.positions is not None and min(self.positions, default=0) < 0:
+            raise ValueError("positions must be >= 0")
+
+    @property
+    def token_positions(self) -> Seq[int]:
+        """Each token's rotary position: ``positions`` when given, else consecutive."""
+        if self.positions is not None:
+            return self.positions
+        return range(self.start_pos, self.start_pos + len(self.token_ids))
 
 
 class ModelRunner:
@@ -76,12 +103,18 @@ class ModelRunner:
             n = len(e.token_ids)
             offset = len(input_ids)
             input_ids.extend(e.token_ids)
-            positions.extend(range(e.start_pos, e.start_pos + n))
+            positions.extend(e.token_positions)
             logits_rows.extend(range(offset + n - e.num_logits, offset + n))
             q_lens.append(n)
             kv_lens.append(e.start_pos + n)
+        tree_masks = [e.tree_mask for e in entries]
         meta = build_attention_metadata(
-            q_lens, kv_lens, [e.seq.block_table for e in entries], self.page_size, self.device
+            q_lens,
+            kv_lens,
+            [e.seq.block_table for e in entries],
+            self.page_size,
+            self.device,
+            tree_masks if any(m is not None for m in tree_masks) else None,
         )
         to = {"dtype": torch.int64, "device": self.device}
         return self.model(

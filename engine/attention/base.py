@@ -1,10 +1,18 @@
 """The attention contract every backend implements.
 
 A step's batch is flat and ragged: sequence i contributes ``q_lens[i]`` query rows (a prefill
-chunk, one decode token, or a last token plus k drafts to verify) and, after this step's keys are
-written, has ``kv_lens[i]`` keys in its pages. Attention is causal aligned bottom-right: query row
-r of sequence i sees keys ``0 .. kv_lens[i] - q_lens[i] + r``. Keys and values of the new rows are
-first written into the paged pool at ``slot_mapping`` (slot = block_id * page_size + offset).
+chunk, one decode token, a last token plus k drafts to verify, or the nodes of a token tree) and,
+after this step's keys are written, has ``kv_lens[i]`` keys in its pages. The new rows' keys occupy
+positions ``kv_lens[i] - q_lens[i] .. kv_lens[i] - 1`` and are first written into the paged pool at
+``slot_mapping`` (slot = block_id * page_size + offset).
+
+Attention is causal aligned bottom-right: query row r of sequence i sees keys
+``0 .. kv_lens[i] - q_lens[i] + r``. A sequence may instead carry a tree mask, a ``[q_len, q_len]``
+bool matrix over its new rows: row r then sees every key before the new rows (the committed
+context) and new row c only where ``tree_mask[r, c]``. A tree mask must let each row see itself
+and no later row (a node's ancestors come before it, as in breadth-first order), so it is the
+causal mask with some entries below the diagonal cleared. Masks equal to the causal one are
+dropped when the metadata is built: a batch without a real tree keeps every fast path.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ class AttentionMetadata:
     page_size: int
     slot_mapping: torch.Tensor  # [num_tokens] int64
     qo_indptr: torch.Tensor  # [num_seqs + 1] int32, prefix sums of q_lens
+    # Per sequence a [q_len, q_len] bool CPU tensor over its new rows, or None (causal); the list
+    # itself is None when no sequence has one. Built by `build_attention_metadata`.
+    tree_masks: list[torch.Tensor | None] | None = None
     # Filled by the backend's plan(): whatever it needs per step, computed once, used per layer.
     plan: object | None = field(default=None, repr=False)
 
@@ -37,6 +48,77 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.qo_indptr[-1])
 
+    def tree_mask(self, i: int) -> torch.Tensor | None:
+        """Sequence i's tree mask over its new rows, or None when it attends causally."""
+        return None if self.tree_masks is None else self.tree_masks[i]
+
+
+def slots_for_positions(
+    block_table: Sequence[int], positions: Sequence[int], page_size: int
+) -> list[int]:
+    """Pool slots (block_id * page_size + offset) of a sequence's token positions."""
+    return [block_table[p // page_size] * page_size + p % page_size for p in positions]
+
+
+def check_tree_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
+    """Validate one sequence's tree mask; returns it on the CPU, or None when it is causal.
+
+    Raises ValueError unless it is a ``[q_len, q_len]`` bool matrix whose row r sees row r and
+    no row after r.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"a tree mask must be a bool tensor, got {getattr(mask, 'dtype', mask)}")
+    if tuple(mask.shape) != (q_len, q_len):
+        raise ValueError(
+            f"a tree mask for {q_len} new rows must be [{q_len}, {q_len}], got {list(mask.shape)}"
+        )
+    mask = mask.cpu()
+    if not bool(mask.diagonal().all()):
+        row = int((~mask.diagonal()).nonzero()[0])
+        raise ValueError(f"tree mask row {row} does not see itself")
+    upper = mask.triu(1)
+    if bool(upper.any()):
+        row, col = (int(x) for x in upper.nonzero()[0])
+        raise ValueError(
+            f"tree mask row {row} sees the later row {col}; a node's ancestors must come before it"
+        )
+    if torch.equal(mask, torch.ones(q_len, q_len, dtype=torch.bool).tril()):
+        return None  # exactly the causal mask
+    return mask
+
+
+def tree_mask_from_parents(parents: Sequence[int]) -> torch.Tensor:
+    """The ``[n, n]`` tree mask of n nodes listed parents first (breadth-first order, say).
+
+    ``parents[j]`` is node j's parent index, below j, or -1 for a root; row j sees node j and
+    its ancestors. Raises ValueError when a parent does not come before its child.
+    """
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(f"node {j} has parent {parent}; parents must come before children")
+        if parent >= 0:
+            mask[j] = mask[parent]
+        mask[j, j] = True
+    return mask
+
+
+def sequence_mask(
+    q_len: int,
+    kv_len: int,
+    tree_mask: torch.Tensor | None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool on `device` (default CPU): which keys each new row of a sequence
+    sees (the contract: causal bottom-right, or the context then the tree mask)."""
+    context = kv_len - q_len
+    if tree_mask is None:
+        rows = torch.arange(q_len, device=device).unsqueeze(1)
+        return torch.arange(kv_len, device=device).unsqueeze(0) <= rows + context
+    ones = torch.ones(q_len, context, dtype=torch.bool, device=device)
+    return torch.cat([ones, tree_mask.to(device)], dim=1)
+
 
 def build_attention_metadata(
     q_lens: Sequence[int],
@@ -44,16 +126,32 @@ def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     page_size: int,
     device: torch.device,
+    tree_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> AttentionMetadata:
-    """Build metadata from per-sequence lengths; new rows occupy kv positions [kv-q, kv)."""
+    """Build metadata from per-sequence lengths; new rows occupy kv positions [kv-q, kv).
+
+    ``tree_masks``, when given, has one entry per sequence: None (causal) or its tree mask
+    (`check_tree_mask`; ValueError on a malformed one).
+    """
+    if tree_masks is not None and len(tree_masks) != len(q_lens):
+        raise ValueError(f"{len(tree_masks)} tree masks for {len(q_lens)} sequences")
     slots: list[int] = []
     for q, kv, table in zip(q_lens, kv_lens, block_tables, strict=True):
         if q < 1 or kv < q:
             raise ValueError(f"need 1 <= q_len <= kv_len, got q_len={q}, kv_len={kv}")
         if len(table) * page_size < kv:
             raise ValueError(f"block table of {len(table)} pages cannot hold {kv} keys")
-        for pos in range(kv - q, kv):
-            slots.append(table[pos // page_size] * page_size + pos % page_size)
+        slots.extend(slots_for_positions(table, range(kv - q, kv), page_size))
+    masks: list[torch.Tensor | None] | None = None
+    if tree_masks is not None:
+        masks = []
+        for i, (m, q) in enumerate(zip(tree_masks, q_lens, strict=True)):
+            try:
+                masks.append(None if m is None else check_tree_mask(m, q))
+            except ValueError as exc:
+                raise ValueError(f"sequence {i}: {exc}") from None
+        if all(m is None for m in masks):
+            masks = None
     indptr = [0]
     for q in q_lens:
         indptr.append(indptr[-1] + q)
@@ -64,6 +162,7 @@ def build_attention_metadata(
         page_size=page_size,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
+        tree_masks=masks,
     )
 
 
@@ -93,7 +192,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v into the pool at meta.slot_mapping, then attend bottom-right causally."""
+        """Write k/v into the pool at meta.slot_mapping, then attend bottom-right causally (or
+        through the sequence's tree mask where it has one)."""
 
 
 def write_kv(

@@ -17,7 +17,21 @@ Kernel choice per step (planned once in `plan`, reused by every layer):
   tensor cores, which for grouped-query heads beats the CUDA-core decode kernel;
 * anything else (prompt chunks, k + 1-row verifies, or a mix): the batch-prefill wrapper with
   ``causal=True``. FlashInfer aligns its causal mask bottom-right, which is exactly the engine's
-  contract: row r of a sequence sees keys ``0 .. kv_len - q_len + r``.
+  contract: row r of a sequence sees keys ``0 .. kv_len - q_len + r``;
+* a batch where some sequence carries a tree mask (token-tree verification): a second
+  batch-prefill wrapper, always on the FA2 kernels, planned with FlashInfer's custom mask. The
+  mask mode is one per batch, so every sequence of such a batch gets an explicit mask: its
+  ``[q_len, kv_len]`` rows (`sequence_mask`: the tree mask after the context, or causal) flattened
+  row-major and concatenated in sequence order (`build_flashinfer_custom_mask`), which FlashInfer
+  bit-packs per sequence ("little" bit order) and reads at byte offset ``mask_indptr[i]``, bit
+  ``r * kv_len + c``. FlashInfer's FA3 kernels take no custom mask (its backend check refuses
+  FA3 whenever one is given), hence the FA2 pin for this wrapper whatever ``prefill_kernel`` is.
+  The mask is passed unpacked, on the device, with the index arrays on the device too: FlashInfer
+  packs it with a CUDA kernel that needs its segment offsets on the mask's device (0.6.x computes
+  them from the index arrays passed to ``plan``), and a pre-packed mask would be paired with
+  offsets counted in bits while the kernel reads them as bytes. Packing reads its output length
+  back, so planning a tree batch waits for the device once; batches without a tree are unchanged.
+  CUDA graphs never replay tree batches (`cuda_graphs.graph_bucket`).
 
 The prefill wrapper is pinned to the FA2 kernels rather than FlashInfer's "auto" (FA3 on Hopper):
 the tensor-core decode path is built on the same FA2 module, so one JIT-compiled module per
@@ -41,6 +55,7 @@ from specdec.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     build_attention_metadata,
+    sequence_mask,
     write_kv,
 )
 from specdec.engine.errors import ConfigError
@@ -118,6 +133,23 @@ def flashinfer_indices_from_lengths(
     )
 
 
+def build_flashinfer_custom_mask(meta: AttentionMetadata) -> torch.Tensor | None:
+    """The step's custom mask in FlashInfer's flattened layout, or None when no sequence has a
+    tree mask.
+
+    A 1-D bool CPU tensor of ``sum(q_len[i] * kv_len[i])`` entries: sequence i's
+    ``[q_len, kv_len]`` mask (`sequence_mask`, query rows first) flattened row-major, sequences
+    concatenated in batch order; True means the key is attended to.
+    """
+    if meta.tree_masks is None:
+        return None
+    parts = [
+        sequence_mask(q, kv, meta.tree_mask(i)).flatten()
+        for i, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True))
+    ]
+    return torch.cat(parts)
+
+
 def import_flashinfer() -> Any:
     """Import and return the `flashinfer` package; ConfigError with the cause when it fails."""
     try:
@@ -136,6 +168,8 @@ class FlashInferStepPlan:
     indices: FlashInferIndices
     page_size: int
     wrapper: Any = None  # a planned FlashInfer wrapper; None until the kernels are planned
+    # `build_flashinfer_custom_mask`: set when some sequence has a tree mask, else None.
+    custom_mask: torch.Tensor | None = None
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -167,6 +201,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True
         )
+        self._tree_prefill: Any = None  # FA2 prefill wrapper for custom-mask (tree) batches
         # The model dtype (q and KV pages). Unknown until the owner sets it or the first forward
         # shows it; until then planning the kernels waits for layer 0 of the first step.
         self.dtype: torch.dtype | None = None
@@ -175,12 +210,22 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- per step ---------------------------------------------------------------------------
     def plan(self, meta: AttentionMetadata) -> None:
-        step = FlashInferStepPlan(build_flashinfer_indices(meta), meta.page_size)
+        step = FlashInferStepPlan(
+            build_flashinfer_indices(meta),
+            meta.page_size,
+            custom_mask=build_flashinfer_custom_mask(meta),
+        )
         meta.plan = step
         if self.dtype is not None:
             self.plan_wrapper(step, self.eager_wrapper_for(step), self.dtype)
 
     def eager_wrapper_for(self, step: FlashInferStepPlan) -> Any:
+        if step.custom_mask is not None:
+            if self._tree_prefill is None:  # built on the first tree batch
+                self._tree_prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", backend="fa2"
+                )
+            return self._tree_prefill
         return self._decode if step.indices["is_pure_decode"] else self._prefill
 
     def plan_wrapper(self, step: FlashInferStepPlan, wrapper: Any, dtype: torch.dtype) -> None:
@@ -197,7 +242,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             previous.synchronize()
         ix = step.indices
         indices = ix["paged_kv_indices"]
-        if getattr(wrapper, "is_cuda_graph_enabled", False):
+        is_graph = bool(getattr(wrapper, "is_cuda_graph_enabled", False))
+        is_decode = isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper)
+        if step.custom_mask is not None and (is_decode or is_graph):
+            raise ValueError("a tree-mask batch runs on the eager prefill wrapper only")
+        if is_graph:
             # A graph wrapper copies host indices into its fixed buffer with a blocking copy,
             # which waits for every queued kernel: the host could never run ahead of the GPU.
             # Handed a device tensor, it makes an asynchronous device-to-device copy instead.
@@ -207,7 +256,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             "kv_data_type": dtype,
             "sm_scale": self.scale,
         }
-        if isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper):
+        if is_decode:
             if not ix["is_pure_decode"]:
                 raise ValueError("a decode wrapper can only serve batches of one-row sequences")
             wrapper.plan(
@@ -218,6 +267,22 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.num_kv_heads,
                 self.head_dim,
                 step.page_size,
+                **common,
+            )
+        elif step.custom_mask is not None:
+            # Mask and index arrays on the device: FlashInfer packs the mask there (module doc).
+            dev = self.device
+            wrapper.plan(
+                ix["qo_indptr"].to(dev),
+                ix["paged_kv_indptr"].to(dev),
+                indices,
+                ix["paged_kv_last_page_len"].to(dev),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                step.page_size,
+                custom_mask=step.custom_mask.to(dev),
+                causal=False,
                 **common,
             )
         else:

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from specdec.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from specdec.engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    sequence_mask,
+    write_kv,
+)
 
 
 @dataclass
@@ -19,7 +24,8 @@ class _SeqPlan:
     q_len: int
     kv_len: int
     pages: torch.Tensor  # [num_pages] int64 block ids covering kv_len
-    mask: torch.Tensor | None  # [group * q_len, kv_len] bool; None when q_len == 1 (sees all)
+    # [group * q_len, kv_len] bool; None for a one-row sequence without a tree mask (sees all)
+    mask: torch.Tensor | None
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -28,17 +34,18 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         seq_plans: list[_SeqPlan] = []
         start = 0
-        for q_len, kv_len, table in zip(meta.q_lens, meta.kv_lens, meta.block_tables, strict=True):
+        group = self.num_heads // self.num_kv_heads
+        for i, (q_len, kv_len, table) in enumerate(
+            zip(meta.q_lens, meta.kv_lens, meta.block_tables, strict=True)
+        ):
             num_pages = -(-kv_len // meta.page_size)
             pages = torch.tensor(table[:num_pages], dtype=torch.int64, device=self.device)
+            tree = meta.tree_mask(i)
             mask = None
-            if q_len > 1:
-                # Bottom-right causal: row r sees keys 0 .. kv_len - q_len + r.
-                rows = torch.arange(q_len, device=self.device).unsqueeze(1)
-                cols = torch.arange(kv_len, device=self.device).unsqueeze(0)
-                # Repeated per query head of a KV group (see forward), once per step, not per layer.
-                group = self.num_heads // self.num_kv_heads
-                mask = (cols <= rows + (kv_len - q_len)).repeat(group, 1)
+            if q_len > 1 or tree is not None:
+                # Bottom-right causal, or the tree mask over the new rows after the context;
+                # repeated per query head of a KV group (see forward), once per step, not per layer.
+                mask = sequence_mask(q_len, kv_len, tree, self.device).repeat(group, 1)
             seq_plans.append(_SeqPlan(start, q_len, kv_len, pages, mask))
             start += q_len
         meta.plan = seq_plans

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from scipy import stats
 from specdec.engine import noise
-from specdec.engine.attention.base import build_attention_metadata
+from specdec.engine.attention.base import build_attention_metadata, tree_mask_from_parents
 from specdec.engine.gpu_sampling import TorchKernels, sample_from_probs, verify_drafts, warp_probs
 from specdec.engine.kv_cache import ModelKV
 from specdec.engine.sampling_params import SamplingParams
@@ -33,7 +33,12 @@ ATTENTION_CASES = [
     (16, [300, 1, 5, 9, 1], [300, 517, 40, 129, 16]),
     (16, [1] * 8, [1, 16, 17, 100, 255, 256, 257, 1000]),
     (16, [37, 1, 5, 16], [37, 70, 21, 32]),
+    # Token trees (FlashInfer's custom-mask path): trees of 16 and 64 nodes beside a prompt
+    # chunk, a decode and a 5-row chain verify.
+    (16, [300, 1, 16, 5, 64], [300, 517, 40, 129, 100]),
 ]
+# Per case, the sequences verified as trees: sequence index -> number of nodes (random shapes).
+TREE_SEQS: dict[int, dict[int, int]] = {3: {2: 16, 4: 64}}
 BF16_TOLERANCE = 1e-2
 
 
@@ -49,6 +54,19 @@ def _tables(kv_lens: list[int], page_size: int, seed: int) -> list[list[int]]:
     return tables
 
 
+def _tree_masks(q_lens: list[int], trees: dict[int, int], seed: int) -> list | None:
+    """Random tree masks (node j's parent drawn from nodes before it) for the sequences in
+    `trees`, None for the others; None when there are no trees."""
+    if not trees:
+        return None
+    rng = random.Random(seed)
+    masks: list = [None] * len(q_lens)
+    for i, n in trees.items():
+        assert q_lens[i] == n
+        masks[i] = tree_mask_from_parents([-1] + [rng.randrange(j) for j in range(1, n)])
+    return masks
+
+
 def stage_attention_parity(ctx: CheckContext) -> dict[str, Any]:
     """One attention call per head layout and batch: FlashInfer (bf16) and torch (bf16) against
     the torch backend in float32 on the same (rounded) inputs."""
@@ -56,7 +74,9 @@ def stage_attention_parity(ctx: CheckContext) -> dict[str, Any]:
     dev, dt = ctx.device, ctx.dtype
     for shape in ctx.parity_shapes:
         arch = arch_for(shape)
-        for page, q_lens, kv_lens in ATTENTION_CASES:
+        for case, (page, q_lens, kv_lens) in enumerate(ATTENTION_CASES):
+            trees = TREE_SEQS.get(case, {})
+            tree_masks = _tree_masks(q_lens, trees, seed=case)
             gen = torch.Generator().manual_seed(len(rows))
             tables = _tables(kv_lens, page, len(rows))
             blocks = max(max(t) for t in tables) + 1
@@ -71,7 +91,7 @@ def stage_attention_parity(ctx: CheckContext) -> dict[str, Any]:
                 ("torch_bf16", ctx.torch_backend(arch), dt),
                 ("ref_fp32", ctx.torch_backend(arch), torch.float32),
             ):
-                meta = build_attention_metadata(q_lens, kv_lens, tables, page, dev)
+                meta = build_attention_metadata(q_lens, kv_lens, tables, page, dev, tree_masks)
                 backend.plan(meta)
                 kc, vc = (p.to(dtype).clone() for p in pools)
                 q, k, v = (x.to(dtype) for x in qkv)
@@ -85,6 +105,7 @@ def stage_attention_parity(ctx: CheckContext) -> dict[str, Any]:
                     "heads": list(heads[:2]) + [arch.head_dim],
                     "q_lens": q_lens,
                     "kv_lens": kv_lens,
+                    "tree_nodes": sorted(trees.values()),
                     "rel_err_flashinfer": err_fi,
                     "rel_err_torch_bf16": err_tb,
                 }
