@@ -24,9 +24,10 @@ class RunEntry:
     Their keys and values go to the slots of positions ``start_pos .. start_pos + n - 1``, and
     by default those are also the tokens' positions, attended causally. A token tree sets both
     optional fields: ``positions`` (one per token: its rotary position, ``context_len + depth``
-    for a node) and ``tree_mask`` (``[n, n]`` bool over the entry's tokens, see
-    `attention.base`), so node j's KV sits at scratch slot ``start_pos + j`` while it attends to
-    the committed keys and its ancestors only. Entries with either field never replay a CUDA
+    for a node) and ``tree_mask`` (``[n, m]`` bool over the last m >= n keys: the entry's tokens,
+    after nodes of the same tree an earlier forward wrote; see `attention.base`), so node j's KV
+    sits at scratch slot ``start_pos + j`` while it attends to the committed keys and its
+    ancestors only. Entries with either field never replay a CUDA
     graph.
     """
 

@@ -232,6 +232,38 @@ def test_tree_entries_never_replay_graphs() -> None:
     assert graph_bucket(plain + tree, captured, 64) is None
 
 
+def test_a_tree_grown_level_by_level_sees_only_its_ancestors(models, alloc) -> None:
+    """Each level's forward runs that level's nodes with a mask over every node written so far
+    (``[q_len, m]``, m > q_len): the logits equal the one-pass tree forward's, as a draft that
+    grows a tree level by level needs."""
+    runner = Pair(models[0], alloc).runner
+    prompt = [3, 8, 15, 2, 9, 30]
+    full = tree_mask_from_parents(PARENTS)
+    levels = depths(PARENTS)
+    one = new_seq(alloc, 0, prompt, len(prompt) + len(TREE_TOKENS))
+    grown = new_seq(alloc, 1, prompt, len(prompt) + len(TREE_TOKENS))
+    try:
+        runner.run([RunEntry(one, prompt, 0, 1), RunEntry(grown, prompt, 0, 1)])
+        expected = runner.run([tree_entry(one, len(prompt))])
+        rows = []
+        for level in range(max(levels) + 1):
+            nodes = [j for j, d in enumerate(levels) if d == level]
+            first, written = nodes[0], nodes[-1] + 1
+            entry = RunEntry(
+                grown,
+                [TREE_TOKENS[j] for j in nodes],
+                len(prompt) + first,
+                len(nodes),
+                positions=[len(prompt) + level] * len(nodes),
+                tree_mask=full[first:written, :written],
+            )
+            rows.append(runner.run([entry]))
+        torch.testing.assert_close(torch.cat(rows), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        alloc.free(one)
+        alloc.free(grown)
+
+
 # ---------------------------------------------------------------- bad input
 def test_bad_tree_input_raises_clear_errors() -> None:
     seq = SimpleNamespace(block_table=[0, 1, 2, 3])
@@ -240,8 +272,10 @@ def test_bad_tree_input_raises_clear_errors() -> None:
     def meta(mask, q: int = 4):
         return build_attention_metadata([q], [q + 5], [seq.block_table], PAGE, CPU, [mask])
 
-    with pytest.raises(ValueError, match=r"must be \[4, 4\], got \[4, 3\]"):
+    with pytest.raises(ValueError, match=r"must be \[4, m\] with 4 <= m <= 9 .*got \[4, 3\]"):
         meta(ok[:, :3])
+    with pytest.raises(ValueError, match=r"got \[4, 10\]"):  # more keys than the sequence has
+        meta(torch.ones(4, 10, dtype=torch.bool).tril(6))
     with pytest.raises(ValueError, match="bool"):
         meta(ok.float())
     blind = ok.clone()
@@ -250,7 +284,7 @@ def test_bad_tree_input_raises_clear_errors() -> None:
         meta(blind)
     peeking = ok.clone()
     peeking[1, 3] = True
-    with pytest.raises(ValueError, match="row 1 sees the later row 3"):
+    with pytest.raises(ValueError, match="row 1 sees the later key 3"):
         meta(peeking)
     with pytest.raises(ValueError, match="2 tree masks for 1 sequences"):
         build_attention_metadata([4], [9], [seq.block_table], PAGE, CPU, [ok, None])
@@ -269,7 +303,7 @@ def test_runner_refuses_a_bad_tree_before_touching_kv(models, alloc) -> None:
         bad.tree_mask = (
             tree_mask_from_parents(PARENTS).t().contiguous()
         )  # every node sees its subtree
-        with pytest.raises(ValueError, match="sequence 1: tree mask row 0 sees the later row 1"):
+        with pytest.raises(ValueError, match="sequence 1: tree mask row 0 sees the later key 1"):
             pair.runner.run([RunEntry(seq, [1, 2, 3], 0, 1), bad])
         for (k, v), (k0, v0) in zip(pair.kv.layers, before, strict=True):
             assert torch.equal(k, k0) and torch.equal(v, v0)

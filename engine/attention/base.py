@@ -7,12 +7,13 @@ positions ``kv_lens[i] - q_lens[i] .. kv_lens[i] - 1`` and are first written int
 ``slot_mapping`` (slot = block_id * page_size + offset).
 
 Attention is causal aligned bottom-right: query row r of sequence i sees keys
-``0 .. kv_lens[i] - q_lens[i] + r``. A sequence may instead carry a tree mask, a ``[q_len, q_len]``
-bool matrix over its new rows: row r then sees every key before the new rows (the committed
-context) and new row c only where ``tree_mask[r, c]``. A tree mask must let each row see itself
-and no later row (a node's ancestors come before it, as in breadth-first order), so it is the
-causal mask with some entries below the diagonal cleared. Masks equal to the causal one are
-dropped when the metadata is built: a batch without a real tree keeps every fast path.
+``0 .. kv_lens[i] - q_lens[i] + r``. A sequence may instead carry a tree mask, a ``[q_len, m]``
+bool matrix over its last ``m`` keys (``q_len <= m <= kv_len``: the new rows, and before them the
+nodes of the same tree written by earlier forwards, as when a draft grows a tree level by level).
+Row r then sees every key before those m and, of them, column c only where ``tree_mask[r, c]``.
+Row r is key column ``m - q_len + r``; it must see itself and no later column (a node's ancestors
+come before it, as in breadth-first order). Masks equal to the causal one are dropped when the
+metadata is built: a batch without a real tree keeps every fast path.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class AttentionMetadata:
     page_size: int
     slot_mapping: torch.Tensor  # [num_tokens] int64
     qo_indptr: torch.Tensor  # [num_seqs + 1] int32, prefix sums of q_lens
-    # Per sequence a [q_len, q_len] bool CPU tensor over its new rows, or None (causal); the list
+    # Per sequence a [q_len, m] bool CPU tensor over its last m keys, or None (causal); the list
     # itself is None when no sequence has one. Built by `build_attention_metadata`.
     tree_masks: list[torch.Tensor | None] | None = None
     # Filled by the backend's plan(): whatever it needs per step, computed once, used per layer.
@@ -49,7 +50,7 @@ class AttentionMetadata:
         return int(self.qo_indptr[-1])
 
     def tree_mask(self, i: int) -> torch.Tensor | None:
-        """Sequence i's tree mask over its new rows, or None when it attends causally."""
+        """Sequence i's tree mask over its last keys, or None when it attends causally."""
         return None if self.tree_masks is None else self.tree_masks[i]
 
 
@@ -60,30 +61,35 @@ def slots_for_positions(
     return [block_table[p // page_size] * page_size + p % page_size for p in positions]
 
 
-def check_tree_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
+def check_tree_mask(
+    mask: torch.Tensor, q_len: int, kv_len: int | None = None
+) -> torch.Tensor | None:
     """Validate one sequence's tree mask; returns it on the CPU, or None when it is causal.
 
-    Raises ValueError unless it is a ``[q_len, q_len]`` bool matrix whose row r sees row r and
-    no row after r.
+    Raises ValueError unless it is a ``[q_len, m]`` bool matrix (``q_len <= m <= kv_len``) whose
+    row r sees its own column ``m - q_len + r`` and no column after it.
     """
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise ValueError(f"a tree mask must be a bool tensor, got {getattr(mask, 'dtype', mask)}")
-    if tuple(mask.shape) != (q_len, q_len):
+    limit = q_len if kv_len is None else kv_len
+    if mask.dim() != 2 or mask.shape[0] != q_len or not q_len <= mask.shape[1] <= limit:
         raise ValueError(
-            f"a tree mask for {q_len} new rows must be [{q_len}, {q_len}], got {list(mask.shape)}"
+            f"a tree mask for {q_len} new rows must be [{q_len}, m] with {q_len} <= m <= "
+            f"{limit} (the keys it covers), got {list(mask.shape)}"
         )
     mask = mask.cpu()
-    if not bool(mask.diagonal().all()):
-        row = int((~mask.diagonal()).nonzero()[0])
+    offset = mask.shape[1] - q_len  # column of row 0
+    if not bool(mask.diagonal(offset).all()):
+        row = int((~mask.diagonal(offset)).nonzero()[0])
         raise ValueError(f"tree mask row {row} does not see itself")
-    upper = mask.triu(1)
+    upper = mask.triu(offset + 1)
     if bool(upper.any()):
         row, col = (int(x) for x in upper.nonzero()[0])
         raise ValueError(
-            f"tree mask row {row} sees the later row {col}; a node's ancestors must come before it"
+            f"tree mask row {row} sees the later key {col}; a node's ancestors must come before it"
         )
-    if torch.equal(mask, torch.ones(q_len, q_len, dtype=torch.bool).tril()):
-        return None  # exactly the causal mask
+    if torch.equal(mask, torch.ones_like(mask).tril(offset)):
+        return None  # every covered key up to the row's own: exactly the causal mask
     return mask
 
 
@@ -111,12 +117,11 @@ def sequence_mask(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """``[q_len, kv_len]`` bool on `device` (default CPU): which keys each new row of a sequence
-    sees (the contract: causal bottom-right, or the context then the tree mask)."""
-    context = kv_len - q_len
+    sees (the contract: causal bottom-right, or every key before the tree mask's, then it)."""
     if tree_mask is None:
         rows = torch.arange(q_len, device=device).unsqueeze(1)
-        return torch.arange(kv_len, device=device).unsqueeze(0) <= rows + context
-    ones = torch.ones(q_len, context, dtype=torch.bool, device=device)
+        return torch.arange(kv_len, device=device).unsqueeze(0) <= rows + (kv_len - q_len)
+    ones = torch.ones(q_len, kv_len - tree_mask.shape[1], dtype=torch.bool, device=device)
     return torch.cat([ones, tree_mask.to(device)], dim=1)
 
 
@@ -145,9 +150,9 @@ def build_attention_metadata(
     masks: list[torch.Tensor | None] | None = None
     if tree_masks is not None:
         masks = []
-        for i, (m, q) in enumerate(zip(tree_masks, q_lens, strict=True)):
+        for i, (m, q, kv) in enumerate(zip(tree_masks, q_lens, kv_lens, strict=True)):
             try:
-                masks.append(None if m is None else check_tree_mask(m, q))
+                masks.append(None if m is None else check_tree_mask(m, q, kv))
             except ValueError as exc:
                 raise ValueError(f"sequence {i}: {exc}") from None
         if all(m is None for m in masks):
