@@ -16,6 +16,7 @@ from specdec.engine.config import (
     SPECULATIVE_METHODS,
     SPECULATIVE_MODES,
     SPECULATIVE_POLICIES,
+    TREE_GROWTHS,
     EngineConfig,
 )
 
@@ -31,6 +32,12 @@ HELP = {
     "on (always k), off (plain decode)",
     "speculative_policy": "how 'auto' requests get their k: adaptive (goodput from measured "
     "acceptance and step cost, docs/controller.md) or fixed (always k)",
+    "spec_tree_max_nodes": "token trees: each drafting sequence drafts a tree of at most this "
+    "many nodes, k levels deep, verified in one target pass (0: chains; needs "
+    "--speculative-policy fixed; docs/token_trees.md)",
+    "spec_tree_growth": "how a tree grows each level: dynamic (the nodes of highest path "
+    "probability, about max_nodes / k a level) or static (--spec-tree-branching children each)",
+    "spec_tree_branching": "children per node of a static tree",
     "ngram_n_min": "shortest suffix the n-gram proposer matches",
     "ngram_n_max": "longest suffix the n-gram proposer matches",
     "draft_vocab_size": "rows of the draft's lm_head: the N most frequent tokens of "
@@ -70,6 +77,7 @@ CHOICES = {
     "speculative_method": SPECULATIVE_METHODS,
     "speculative_mode": SPECULATIVE_MODES,
     "speculative_policy": SPECULATIVE_POLICIES,
+    "spec_tree_growth": TREE_GROWTHS,
     "dtype": DTYPES,
     "quantization": QUANTIZATIONS,
     "draft_quantization": DRAFT_QUANTIZATIONS,

@@ -21,6 +21,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 # k above this buys nothing measurable (acceptance^k vanishes) and inflates verify batches.
+TREE_GROWTHS = ("dynamic", "static")
+MAX_TREE_NODES = 64  # a node is a verify row and a scratch KV slot per tree
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -36,6 +38,9 @@ class EngineConfig:
     speculative_policy: str = "adaptive"
     ngram_n_min: int = 2
     ngram_n_max: int = 4
+    spec_tree_max_nodes: int = 0
+    spec_tree_growth: str = "dynamic"
+    spec_tree_branching: int = 2
     draft_vocab_size: int | None = None
     draft_vocab_table: str | None = None
     dtype: str = "auto"
@@ -104,6 +109,28 @@ class EngineConfig:
             f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (beyond that the "
             f"chance that every draft is accepted is negligible and verify batches only grow), "
             f"got {self.num_speculative_tokens}",
+        )
+        check(
+            0 <= self.spec_tree_max_nodes <= MAX_TREE_NODES,
+            f"spec_tree_max_nodes must be in [0, {MAX_TREE_NODES}] (0: chains), "
+            f"got {self.spec_tree_max_nodes}",
+        )
+        check(
+            self.spec_tree_growth in TREE_GROWTHS,
+            f"spec_tree_growth must be one of {TREE_GROWTHS}, got {self.spec_tree_growth!r}",
+        )
+        check(
+            self.spec_tree_branching >= 1,
+            f"spec_tree_branching must be >= 1, got {self.spec_tree_branching}",
+        )
+        check(
+            self.spec_tree_max_nodes == 0 or self.speculative_method == "draft_model",
+            "token trees (--spec-tree-max-nodes > 0) need speculative_method=draft_model",
+        )
+        check(
+            self.spec_tree_max_nodes == 0 or self.speculative_policy == "fixed",
+            "token trees are drafted by the fixed policy for now: add --speculative-policy fixed "
+            "(the adaptive policy prices chains only)",
         )
         check(
             self.draft_vocab_size is None or self.draft_vocab_size >= 0,

@@ -42,6 +42,12 @@ from specdec.engine.sampling import RowContext
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler, StepPlan
 from specdec.engine.sequence import Sequence, SequenceStatus, SpecStats
+from specdec.engine.tree_commit import (
+    TreePath,
+    move_accepted_kv,
+    tree_row_contexts,
+    tree_verify_entry,
+)
 
 from specdec.controller.policy import (
     PrefillShape,
@@ -52,6 +58,8 @@ from specdec.controller.policy import (
 from specdec.controller.step_cost import ForwardShape
 from specdec.draft_vocab import resolve_draft_vocab
 from specdec.proposers import DraftModelProposer, Drafts, NgramProposer, Proposal, Proposer
+from specdec.tree_proposal import TreeShape
+from specdec.tree_verify import verify_trees
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +171,8 @@ class LLMEngine:
                 pruned = draft_model.model.with_output_rows(self.draft_vocab_ids)
                 draft_model = dataclasses.replace(draft_model, model=pruned)
             runner = self._make_runner(draft_model, list(DRAFT_Q_LENS))
-            self.proposer = DraftModelProposer(runner, self.sampling_kernels)
+            shape = TreeShape(config.spec_tree_growth, config.spec_tree_branching)
+            self.proposer = DraftModelProposer(runner, self.sampling_kernels, shape)
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)
         self.policy: SpeculationPolicy | None = None
@@ -379,7 +388,7 @@ class LLMEngine:
             assert self.policy is not None
             prefill = PrefillShape(*self.scheduler.pending_prefill(plan))
             decision = self.policy.decide([s.seq for s in ready], prefill)
-            self.scheduler.add_drafts(plan, ready, decision.ks)
+            self.scheduler.add_drafts(plan, ready, decision.ks, decision.tree_nodes)
             stop = decision.stop
         self.scheduler.admit(plan)
         if plan.is_empty:
@@ -426,6 +435,10 @@ class LLMEngine:
         entries: list[RunEntry] = []
         for s in plan.scheduled:
             seq = s.seq
+            tree = proposals[seq.seq_id].tree if seq.seq_id in proposals else None
+            if tree is not None:
+                entries.append(tree_verify_entry(seq, tree))
+                continue
             drafts = proposals[seq.seq_id].token_ids if seq.seq_id in proposals else []
             tokens = seq.token_ids[
                 seq.num_computed_tokens : seq.num_computed_tokens + s.num_new_tokens
@@ -436,9 +449,14 @@ class LLMEngine:
 
         sampling = [(s, e) for s, e in zip(plan.scheduled, entries, strict=True) if e.num_logits]
         accepted: dict[int, list[int]] = {}
+        paths: dict[int, TreePath] = {}  # token trees: the accepted nodes
         outcomes: list[SeqOutcome] = []
         if sampling:
-            accepted = self._sample(sampling, proposals, logits)
+            accepted, paths = self._sample(sampling, proposals, logits)
+        kv = getattr(self.target_runner, "kv", None)
+        for s in plan.scheduled:
+            if s.seq.seq_id in paths and kv is not None:
+                move_accepted_kv(kv, s.seq, paths[s.seq.seq_id].nodes, self.config.page_size)
 
         outputs = []
         for s in plan.scheduled:
@@ -452,8 +470,14 @@ class LLMEngine:
                 )
                 n_acc = len(new) - 1
                 if not is_first_token:  # the prefill step is not a decode step: keep it out
-                    seq.spec_stats.record(s.num_spec_tokens, n_acc, kept)
-                    self.spec_stats.record(s.num_spec_tokens, n_acc, kept)
+                    path = paths.get(seq.seq_id)
+                    record = (
+                        (s.num_spec_tokens, n_acc, kept)
+                        if path is None
+                        else (path.depth, n_acc, kept, s.num_spec_tokens, path.ranks)
+                    )
+                    seq.spec_stats.record(*record)
+                    self.spec_stats.record(*record)
                 conf = proposals[seq.seq_id].confidence if seq.seq_id in proposals else []
                 outcomes.append(SeqOutcome(s.num_spec_tokens, n_acc, list(conf)))
             # Rollback is arithmetic: only committed tokens minus the newest one are computed.
@@ -470,15 +494,53 @@ class LLMEngine:
                 outputs.append(self._output(seq))
         return outputs, outcomes
 
-    def _sample(self, sampling, proposals, logits) -> dict[int, list[int]]:
+    def _sample(
+        self, sampling, proposals, logits
+    ) -> tuple[dict[int, list[int]], dict[int, TreePath]]:
+        """The tokens each sampling item commits (chains and plain decodes by `verify_drafts`,
+        token trees by `verify_trees`), and the accepted path of each tree."""
         rows: list[RowContext] = []
-        for s, e in sampling:
-            seq = s.seq
-            drafts = proposals[seq.seq_id].token_ids if seq.seq_id in proposals else []
+        starts: list[int] = []
+        trees: list[int] = []
+        for b, (s, e) in enumerate(sampling):
+            seq, prop = s.seq, proposals.get(s.seq.seq_id)
+            starts.append(len(rows))
+            if prop is not None and prop.tree is not None:
+                trees.append(b)
+                rows += tree_row_contexts(seq, prop.tree)
+                continue
+            drafts = prop.token_ids if prop is not None else []
             out = seq.output_token_ids
             for j in range(e.num_logits):
                 rows.append(RowContext(seq.params, seq.prompt_token_ids, out + drafts[:j]))
         probs = probs_for_rows(logits, rows, self.sampling_kernels)  # [rows, vocab]
+        tree_set = set(trees)
+        chains = [b for b in range(len(sampling)) if b not in tree_set]
+        accepted: dict[int, list[int]] = {}
+        if chains:
+            items = [sampling[b] for b in chains]
+            accepted = self._verify_chains(items, [starts[b] for b in chains], proposals, probs)
+        paths: dict[int, TreePath] = {}
+        if trees:
+            seqs = [sampling[b][0].seq for b in trees]
+            tree_list = [proposals[seq.seq_id].tree for seq in seqs]
+            result = verify_trees(
+                tree_list,
+                [probs[starts[b] : starts[b] + sampling[b][1].num_logits] for b in trees],
+                [seq.params.greedy for seq in seqs],
+                [seq.params.seed for seq in seqs],
+                [seq.num_tokens for seq in seqs],  # where each root row's token goes
+            )
+            out_ids, counts = result.output_token_ids.tolist(), result.num_accepted.tolist()
+            for i, seq in enumerate(seqs):
+                accepted[seq.seq_id] = out_ids[i][: counts[i] + 1]
+                paths[seq.seq_id] = TreePath(
+                    result.accepted_nodes[i], result.accepted_ranks[i], tree_list[i].max_depth
+                )
+        return accepted, paths
+
+    def _verify_chains(self, sampling, starts, proposals, probs) -> dict[int, list[int]]:
+        """Verify chains (and plain decodes: no drafts) whose target rows start at ``starts``."""
         k_max = max(e.num_logits for _, e in sampling) - 1
         batch, vocab = len(sampling), probs.shape[-1]
         target = probs.new_zeros((batch, k_max + 1, vocab))
@@ -491,10 +553,8 @@ class LLMEngine:
         if need_q:
             draft_probs = probs.new_zeros((batch, max(k_max, 1), vocab))
         num_drafts = [0] * batch
-        row = 0
         for b, (s, e) in enumerate(sampling):
-            target[b, : e.num_logits] = probs[row : row + e.num_logits]
-            row += e.num_logits
+            target[b, : e.num_logits] = probs[starts[b] : starts[b] + e.num_logits]
             prop = proposals.get(s.seq.seq_id)
             n = e.num_logits - 1
             num_drafts[b] = n

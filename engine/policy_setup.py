@@ -41,7 +41,7 @@ def build_policy(
     against ``clock`` (and, with ``cache``, stored for the next start)."""
     k_max = config.num_speculative_tokens
     if config.speculative_policy == "fixed":
-        return FixedPolicy(k_max)
+        return FixedPolicy(k_max, config.spec_tree_max_nodes)
     policy = AdaptivePolicy(
         k_max,
         INITIAL_ACCEPTANCE.get(proposer_name, 0.5),

@@ -38,6 +38,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # committed tokens the target computes this step (chunk or 1)
     num_spec_tokens: int = 0  # k: draft tokens appended after them for verification
+    # A token tree instead of a chain: num_spec_tokens is then its most nodes (verify rows and
+    # scratch KV slots) and spec_depth its most levels; 0 for a chain (depth = num_spec_tokens).
+    spec_depth: int = 0
     # Tokens the draft reads into its K/V this step without drafting (k = 0 while it catches up).
     num_draft_catchup_tokens: int = 0
 
@@ -159,26 +162,42 @@ class Scheduler:
             i += 1
         return plan
 
-    def add_drafts(self, plan: StepPlan, items: Seq[ScheduledSeq], ks: Seq[int]) -> None:
+    def add_drafts(
+        self,
+        plan: StepPlan,
+        items: Seq[ScheduledSeq],
+        ks: Seq[int],
+        tree_nodes: Seq[int] | None = None,
+    ) -> None:
         """Give each decode-ready item its k drafts to verify, trimmed to what it could still
         commit, to the target's budget left (oldest first), to the draft's own catch-up budget
-        and to the KV pool (verify slots are a luxury: dropped, never a cause to preempt)."""
+        and to the KV pool (verify slots are a luxury: dropped, never a cause to preempt).
+
+        With ``tree_nodes[i] > 0`` item i drafts a tree of at most that many nodes, k levels
+        deep, instead: its nodes are its verify rows and scratch KV slots."""
         wanted = {
             it.seq.seq_id: max(0, min(k, self._max_useful_k(it.seq)))
             for it, k in zip(items, ks, strict=True)
         }
+        nodes = {
+            it.seq.seq_id: n for it, n in zip(items, tree_nodes or [0] * len(items), strict=True)
+        }
         catchup = self._fit_draft_budget(wanted)
         for it in items:
             seq = it.seq
-            k = min(wanted[seq.seq_id], plan.budget_left)
-            total = seq.num_computed_tokens + it.num_new_tokens + k
-            if k and not self.allocator.can_allocate(seq, total):
-                k = 0
-            if k:
+            k = wanted[seq.seq_id]
+            rows = (nodes[seq.seq_id] or k) if k else 0
+            # A tree's scratch slots stay inside the model's length, like a chain's drafts.
+            rows = min(rows, plan.budget_left, self.max_model_len - seq.num_tokens)
+            total = seq.num_computed_tokens + it.num_new_tokens + rows
+            if rows and not self.allocator.can_allocate(seq, total):
+                rows = 0
+            if rows:
                 self.allocator.allocate(seq, total)
-            it.num_spec_tokens = k
+            it.num_spec_tokens = rows
+            it.spec_depth = min(k, rows) if nodes[seq.seq_id] else 0
             it.num_draft_catchup_tokens = catchup.get(seq.seq_id, 0)
-            plan.budget_left -= k
+            plan.budget_left -= rows
 
     def admit(self, plan: StepPlan) -> None:
         """Admit waiting prompts into what is left of the budget (not right after preempting:

@@ -38,15 +38,34 @@ class SpecStats:
     judged_per_pos: list[int] = field(default_factory=list)
     num_target_steps: int = 0  # target forwards that produced tokens for this request
     num_emitted_tokens: int = 0  # tokens those forwards committed
+    num_tree_steps: int = 0  # verifies of a token tree (their nodes count as draft tokens)
+    num_tree_nodes: int = 0  # nodes those verified
+    accepted_per_rank: list[int] = field(default_factory=list)  # [r] accepted r-th siblings
 
-    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record(
+        self,
+        num_drafted: int,
+        num_accepted: int,
+        num_emitted: int,
+        tree_nodes: int = 0,
+        accepted_ranks: list[int] | tuple[int, ...] = (),
+    ) -> None:
+        """One target forward: ``num_drafted`` draft positions (a tree's depth), the first
+        ``num_accepted`` accepted; a tree also gives its node count and the sibling rank of each
+        accepted node (0: the draft's first choice)."""
         self.num_target_steps += 1
         self.num_emitted_tokens += num_emitted
         if num_drafted == 0:
             return
         self.num_spec_steps += 1
-        self.num_draft_tokens += num_drafted
+        self.num_draft_tokens += tree_nodes or num_drafted
         self.num_accepted_tokens += num_accepted
+        if tree_nodes:
+            self.num_tree_steps += 1
+            self.num_tree_nodes += tree_nodes
+            for r in accepted_ranks:
+                _grow(self.accepted_per_rank, r + 1)
+                self.accepted_per_rank[r] += 1
         need = num_drafted - len(self.drafted_per_pos)
         if need > 0:
             self.drafted_per_pos.extend([0] * need)
@@ -65,13 +84,15 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_target_steps += other.num_target_steps
         self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_tree_steps += other.num_tree_steps
+        self.num_tree_nodes += other.num_tree_nodes
         for mine, theirs in (
             (self.drafted_per_pos, other.drafted_per_pos),
             (self.accepted_per_pos, other.accepted_per_pos),
             (self.judged_per_pos, other.judged_per_pos),
+            (self.accepted_per_rank, other.accepted_per_rank),
         ):
-            if len(theirs) > len(mine):
-                mine.extend([0] * (len(theirs) - len(mine)))
+            _grow(mine, len(theirs))
             for j, v in enumerate(theirs):
                 mine[j] += v
 
@@ -90,8 +111,12 @@ class SpecStats:
             for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=False)
         ]
 
+    @property
+    def nodes_per_tree_step(self) -> float:
+        return self.num_tree_nodes / self.num_tree_steps if self.num_tree_steps else 0.0
+
     def to_dict(self) -> dict:
-        return {
+        out = {
             "num_spec_steps": self.num_spec_steps,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
@@ -99,6 +124,17 @@ class SpecStats:
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_per_pos": self.acceptance_per_pos(),
         }
+        if self.num_tree_steps:
+            out["num_tree_steps"] = self.num_tree_steps
+            out["nodes_per_tree_step"] = self.nodes_per_tree_step
+            out["accepted_per_rank"] = list(self.accepted_per_rank)
+        return out
+
+
+def _grow(counts: list[int], length: int) -> None:
+    """Pad ``counts`` with zeros to at least ``length`` entries."""
+    if length > len(counts):
+        counts.extend([0] * (length - len(counts)))
 
 
 class Sequence:

@@ -10,12 +10,14 @@ import torch
 
 from specdec.controller.policy import DraftStop, draft_value, drafts_to_continue
 from specdec.controller.step_cost import ForwardShape
+from specdec.draft_tree import DraftTree
 from specdec.draft_vocab import vocabulary_logits
 from specdec.engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_probs
 from specdec.engine.model_runner import ModelRunner, RunEntry
 from specdec.engine.sampling import RowContext
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.ngram import propose_ngram
+from specdec.tree_proposal import GrowingTree, TreeShape
 
 
 @dataclass
@@ -27,6 +29,8 @@ class Proposal:
     # the draft's probability of each token (greedy: of its argmax, at temperature 1); empty
     # for a proposer without a distribution, or when no stop rule asked for them
     confidence: list[float] = field(default_factory=list)
+    # a token tree instead of a chain (``token_ids`` are then its nodes, breadth-first)
+    tree: DraftTree | None = None
 
 
 @dataclass
@@ -87,20 +91,35 @@ class DraftModelProposer:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, kernels: SamplingKernels | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kernels: SamplingKernels | None = None,
+        tree_shape: TreeShape | None = None,
+    ) -> None:
         self.runner = runner
         self.kernels = kernels  # batched sampling kernels (FlashInfer on CUDA) or the reference
+        self.tree_shape = tree_shape or TreeShape()
         self.num_forwards = 0  # observable: tests assert the draft did not run when k = 0
 
     def propose(self, items: list[ScheduledSeq], stop: DraftStop | None = None) -> Drafts:
         tokens: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         confidence: list[list[float]] = [[] for _ in items]
-        active = [i for i, it in enumerate(items) if it.num_spec_tokens > 0]
+        # Items with a depth grow token trees (`specdec.tree_proposal`) in the same forwards.
+        growing = {
+            i: GrowingTree(
+                it.seq, it.spec_depth, it.num_spec_tokens, self.runner.vocab_size, self.tree_shape
+            )
+            for i, it in enumerate(items)
+            if it.num_spec_tokens > 0 and it.spec_depth > 0
+        }
+        trees: dict[int, DraftTree] = {}
+        active = [i for i, it in enumerate(items) if it.num_spec_tokens > 0 and i not in growing]
         catchup = _catchup_entries(items)
         forwards: list[ForwardShape] = []
         step = 0
-        while active or catchup:
+        while active or catchup or growing:
             entries = list(catchup)  # chunks read without logits ride in the first forward
             for i in active:
                 seq = items[i].seq
@@ -109,50 +128,43 @@ class DraftModelProposer:
                     entries.append(RunEntry(seq, seq.token_ids[start:], start, 1))
                 else:
                     entries.append(RunEntry(seq, [tokens[i][-1]], seq.num_tokens + step - 1, 1))
-            logits = self.runner.run(entries)  # [len(active), lm_head rows]
+            tree_entries = {
+                i: g.first_entry() if step == 0 else g.next_entry() for i, g in growing.items()
+            }
+            entries += tree_entries.values()
+            logits = self.runner.run(entries)  # [len(active) + tree rows, lm_head rows]
             self.num_forwards += 1
             forwards.append(_shape(entries))
             for e in catchup:
                 e.seq.num_draft_computed_tokens = e.start_pos + len(e.token_ids)
             catchup = []
-            if not active:
+            if not active and not growing:
                 break
             # A pruned head's logits go back to their ids, -inf elsewhere: q is 0 off its rows.
             logits = vocabulary_logits(self.runner.output_token_ids, logits, self.runner.vocab_size)
-            rows = [
-                RowContext(
-                    items[i].seq.params,
-                    items[i].seq.prompt_token_ids,
-                    items[i].seq.output_token_ids + tokens[i],
+            row = len(active)
+            for i, entry in tree_entries.items():
+                g = growing[i]
+                if step == 0:  # the root's row: the draft has read every committed token
+                    g.seq.num_draft_computed_tokens = g.context
+                g.grow(logits[row : row + entry.num_logits], self.kernels)
+                row += entry.num_logits
+                if g.done:
+                    trees[i] = growing.pop(i).tree
+            if active:
+                self._draw_chain_tokens(
+                    items, active, logits[: len(active)], step, stop, tokens, probs, confidence
                 )
-                for i in active
-            ]
-            p = probs_for_rows(logits, rows, self.kernels)
-            greedy = [items[i].seq.params.greedy for i in active]
-            drawn_t = sample_from_probs(
-                p,
-                greedy,
-                [items[i].seq.params.seed for i in active],
-                [items[i].seq.num_tokens + step for i in active],  # where each draft would go
-                self.kernels,
-            )
-            # Only the stop rule reads confidences: without one, skip their kernels and copy.
-            conf = _confidence(logits, p, drawn_t, greedy) if stop is not None else None
-            drawn = drawn_t.tolist()
-            for row, i in enumerate(active):
-                seq = items[i].seq
-                tokens[i].append(drawn[row])
-                probs[i].append(p[row])
-                if conf is not None:
-                    confidence[i].append(conf[row])
-                seq.num_draft_computed_tokens = seq.num_tokens + step
             step += 1
             active = [i for i in active if items[i].num_spec_tokens > step]
             if stop is not None:
                 active = _continuing(items, active, confidence, step, stop)
         out = []
         for i, it in enumerate(items):
-            if not tokens[i]:
+            if i in trees:
+                tree = trees[i]
+                out.append(Proposal(list(tree.tokens), None, tree=tree))
+            elif not tokens[i]:
                 out.append(Proposal([], None))
             elif it.seq.params.greedy or it.seq.params.seed is not None:
                 # q is unused: greedy and seeded drafts are verified by the coupling, which
@@ -161,6 +173,47 @@ class DraftModelProposer:
             else:
                 out.append(Proposal(tokens[i], torch.stack(probs[i]), confidence[i]))
         return Drafts(out, forwards)
+
+    def _draw_chain_tokens(
+        self,
+        items: list[ScheduledSeq],
+        active: list[int],
+        logits: torch.Tensor,  # one row per active item
+        step: int,
+        stop: DraftStop | None,
+        tokens: list[list[int]],
+        probs: list[list[torch.Tensor]],
+        confidence: list[list[float]],
+    ) -> None:
+        """Draw each active chain's next draft from its row, by the rule the target will pick
+        with, and record it (with its distribution and, for the stop rule, its confidence)."""
+        rows = [
+            RowContext(
+                items[i].seq.params,
+                items[i].seq.prompt_token_ids,
+                items[i].seq.output_token_ids + tokens[i],
+            )
+            for i in active
+        ]
+        p = probs_for_rows(logits, rows, self.kernels)
+        greedy = [items[i].seq.params.greedy for i in active]
+        drawn_t = sample_from_probs(
+            p,
+            greedy,
+            [items[i].seq.params.seed for i in active],
+            [items[i].seq.num_tokens + step for i in active],  # where each draft would go
+            self.kernels,
+        )
+        # Only the stop rule reads confidences: without one, skip their kernels and copy.
+        conf = _confidence(logits, p, drawn_t, greedy) if stop is not None else None
+        drawn = drawn_t.tolist()
+        for row, i in enumerate(active):
+            seq = items[i].seq
+            tokens[i].append(drawn[row])
+            probs[i].append(p[row])
+            if conf is not None:
+                confidence[i].append(conf[row])
+            seq.num_draft_computed_tokens = seq.num_tokens + step
 
 
 def _continuing(

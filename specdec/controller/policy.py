@@ -66,6 +66,7 @@ class DraftStop:
 class SpecDecision:
     ks: list[int]  # per sequence: drafts to verify (an upper bound when ``stop`` is set)
     stop: DraftStop | None = None
+    tree_nodes: list[int] | None = None  # per sequence: a tree of this many nodes, k deep
     predicted_seconds: float = 0.0
     predicted_goodput: float = 0.0
 
@@ -130,15 +131,18 @@ def drafts_to_continue(values: Seq[float], num_pinned: int, stop: DraftStop) -> 
 
 
 class FixedPolicy:
-    """k drafts for every 'on' and 'auto' sequence, none for 'off'."""
+    """k drafts for every 'on' and 'auto' sequence, none for 'off'; as trees of ``tree_nodes``
+    nodes, k levels deep, when that is set."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, tree_nodes: int = 0) -> None:
         self.k = k
+        self.tree_nodes = tree_nodes
         self._last: list[int] = []
 
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
         self._last = [0 if s.spec_mode == "off" else self.k for s in seqs]
-        return SpecDecision(list(self._last))
+        nodes = [self.tree_nodes if k else 0 for k in self._last] if self.tree_nodes else None
+        return SpecDecision(list(self._last), tree_nodes=nodes)
 
     def observe(self, obs: StepObservation) -> None:
         pass

@@ -1,0 +1,123 @@
+"""Token trees through the engine: drafted level by level, verified in the batch's one target
+forward, output identical to plain decode, KV moved into place and never leaked or cached wrong."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from specdec.engine.errors import ConfigError
+from specdec.engine.sampling_params import SamplingParams
+from test_engine_greedy import expected, prompts, run_staggered
+from tiny_models import make_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(target):
+    """The target with a perturbed lm_head: its first choice is often wrong where its second is
+    right, which is where a tree gains over a chain."""
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        w = draft.lm_head.weight
+        w.add_(torch.randn(w.shape, generator=g) * w.std() * 0.9)
+    return draft
+
+
+def tree_engine(target, draft, nodes: int = 8, growth: str = "dynamic", **overrides):
+    return make_engine(
+        target,
+        draft,
+        num_speculative_tokens=4,
+        speculative_policy="fixed",
+        speculative_mode="on",
+        spec_tree_max_nodes=nodes,
+        spec_tree_growth=growth,
+        **overrides,
+    )
+
+
+@pytest.mark.parametrize("growth", ["dynamic", "static"])
+def test_greedy_trees_equal_plain_decode_in_a_mixed_batch(target, noisy_draft, growth):
+    engine = tree_engine(target, noisy_draft, growth=growth, max_num_batched_tokens=40)
+    free0 = engine.allocator.num_free_blocks
+    ps = prompts()
+    assert run_staggered(engine, ps) == expected(target, ps)
+    stats = engine.spec_stats
+    assert stats.num_tree_steps > 0 and 1 < stats.nodes_per_tree_step <= 8
+    assert sum(stats.accepted_per_rank[1:]) > 0  # some accepted nodes were second choices
+    assert engine.allocator.num_free_blocks == free0
+
+
+def test_a_tree_commits_more_per_target_forward_than_the_chain_of_its_depth(target, noisy_draft):
+    ps = prompts(5, seed=3)
+    chain = make_engine(
+        target, noisy_draft, num_speculative_tokens=4, speculative_policy="fixed",
+        speculative_mode="on",
+    )  # fmt: skip
+    tree = tree_engine(target, noisy_draft, nodes=16)
+    outs = [e.generate(ps, GREEDY) for e in (chain, tree)]
+    assert [o.output_token_ids for o in outs[0]] == [o.output_token_ids for o in outs[1]]
+    assert tree.spec_stats.mean_accepted_length > chain.spec_stats.mean_accepted_length
+
+
+def test_seeded_sampled_trees_commit_what_plain_decode_commits(target, noisy_draft):
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=100 + i, ignore_eos=True)
+        for i in range(4)
+    ]
+    ps = prompts(4, seed=2)
+    plain = make_engine(target).generate(ps, params)
+    tree_out = tree_engine(target, noisy_draft).generate(ps, params)
+    assert [o.output_token_ids for o in tree_out] == [o.output_token_ids for o in plain]
+
+
+def test_unseeded_sampled_trees_run_and_return_every_block(target, noisy_draft):
+    engine = tree_engine(target, noisy_draft, growth="dynamic")
+    free0 = engine.allocator.num_free_blocks
+    params = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
+    outs = engine.generate(prompts(6, seed=4), params)
+    assert all(len(o.output_token_ids) == 20 for o in outs)
+    assert engine.spec_stats.num_tree_steps > 0
+    assert engine.allocator.num_free_blocks == free0
+
+
+def test_prefix_cache_after_trees_holds_only_committed_kv(target, noisy_draft):
+    """A later prompt that repeats an earlier request's prompt and output hits blocks written
+    during tree steps: its continuation must still be plain decode's."""
+    engine = tree_engine(target, noisy_draft, enable_prefix_caching=True)
+    first = prompts(1, seed=6)[0]
+    out = engine.generate([first], GREEDY)[0].output_token_ids
+    again = first + out[:20]
+    second = engine.generate([again], GREEDY)[0]
+    assert second.num_cached_prompt_tokens >= len(first)  # blocks written during tree steps
+    assert second.output_token_ids == expected(target, [again])[0]
+
+
+def test_tree_usage_reports_nodes_and_ranks(target, noisy_draft):
+    out = tree_engine(target, noisy_draft).generate(prompts(1), GREEDY)[0]
+    stats = out.spec_stats.to_dict()
+    assert stats["num_tree_steps"] > 0
+    assert stats["nodes_per_tree_step"] > 1
+    assert sum(stats["accepted_per_rank"]) == out.spec_stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(spec_tree_max_nodes=-1), "spec_tree_max_nodes must be in"),
+        (dict(spec_tree_max_nodes=65), "spec_tree_max_nodes must be in"),
+        (dict(spec_tree_growth="bushy"), "spec_tree_growth must be one of"),
+        (dict(spec_tree_branching=0), "spec_tree_branching must be >= 1"),
+        (dict(speculative_policy="adaptive"), "fixed policy for now"),
+        (dict(speculative_method="ngram"), "need speculative_method=draft_model"),
+    ],
+)
+def test_bad_tree_options_are_refused(target, noisy_draft, overrides, message):
+    options = dict(speculative_policy="fixed", spec_tree_max_nodes=8)
+    options.update(overrides)
+    with pytest.raises(ConfigError, match=message):
+        make_engine(target, noisy_draft, **options)
