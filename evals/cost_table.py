@@ -111,7 +111,7 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
             for _ in range(max(repeats, 3)):
                 t0 = time.perf_counter()
                 probs = probs_for_rows(logits, ctx)
-                sample_from_probs(probs, [temperature == 0] * rows, [None] * rows)
+                sample_from_probs(probs, [temperature == 0] * rows, [None] * rows, [0] * rows)
                 best = min(best, time.perf_counter() - t0)
             sampling.append({"rows": rows, "temperature": temperature, "seconds": best})
     table["sampling"] = sampling

@@ -73,3 +73,21 @@ def test_recording_returns_every_block_and_round_trips(recorded, tmp_path):
         assert np.array_equal(a.draft_ids, b.draft_ids)
         assert np.allclose(a.draft_probs, b.draft_probs, atol=1e-3)
         assert b.temperature == a.temperature and b.seed == a.seed
+
+
+def test_cost_table_times_every_kind_of_shape_on_a_tiny_pair():
+    """The table the replay prices steps with: target, draft and sampling shapes, each timed
+    (shapes the small pool cannot hold are skipped, the rest are there)."""
+    from specdec.evals.cost_table import StepCosts, measure_cost_table
+
+    target, draft = tiny_pair()
+    target_engine = plain_engine(target, 0.05, 4, 0)
+    draft_engine = plain_engine(draft, 0.05, 4, 0)
+    free = (target_engine.allocator.num_free_blocks, draft_engine.allocator.num_free_blocks)
+    table = measure_cost_table(target_engine, draft_engine, repeats=1)
+    for kind in ("target", "draft", "sampling"):
+        assert table[kind] and all(row["seconds"] > 0 for row in table[kind])
+    assert {row["temperature"] for row in table["sampling"]} == {0.0, 1.0}
+    assert StepCosts(table).target_seconds([(4, 32)], greedy_rows=4) > 0
+    after = (target_engine.allocator.num_free_blocks, draft_engine.allocator.num_free_blocks)
+    assert after == free
