@@ -45,6 +45,8 @@ def make_usage(info: ResponseInfo, out: RequestOutput) -> Usage:
             accepted_tokens=s.num_accepted_tokens,
             acceptance_rate=s.acceptance_rate,
             mean_accepted_length=s.mean_accepted_length,
+            nodes_per_tree_step=s.nodes_per_tree_step if s.num_tree_steps else None,
+            accepted_per_rank=list(s.accepted_per_rank) if s.num_tree_steps else None,
         ),
     )
 

@@ -113,6 +113,24 @@ class ServerMetrics:
             (*labels, "position"),
             registry=r,
         )
+        self.num_tree_steps = Counter(
+            "specdec:spec_decode_num_tree_steps",
+            "Verify steps that checked a token tree",
+            labels,
+            registry=r,
+        )
+        self.num_tree_nodes = Counter(
+            "specdec:spec_decode_num_tree_nodes",
+            "Token-tree nodes verified (nodes per tree step = this / num_tree_steps)",
+            labels,
+            registry=r,
+        )
+        self.accepted_per_rank = Counter(
+            "specdec:spec_decode_num_accepted_tokens_per_rank",
+            "Token-tree nodes accepted by their rank among siblings (0: the draft's first choice)",
+            (*labels, "rank"),
+            registry=r,
+        )
         gauge_labels = ("model_name",)
         self.running = Gauge(
             "specdec:num_requests_running", "Sequences in the batch", gauge_labels, registry=r
@@ -204,6 +222,8 @@ class RequestTracker:
         self._draft_tokens = 0
         self._accepted = 0
         self._per_pos: list[int] = []
+        self._per_rank: list[int] = []
+        self._tree_steps = self._tree_nodes = 0
         self._target_steps = 0
         self._emitted = 0
         self.done = False
@@ -224,10 +244,10 @@ class RequestTracker:
         m.num_drafts.labels(*labels).inc(s.num_spec_steps - self._drafts)
         m.num_draft_tokens.labels(*labels).inc(s.num_draft_tokens - self._draft_tokens)
         m.num_accepted_tokens.labels(*labels).inc(s.num_accepted_tokens - self._accepted)
-        for pos, count in enumerate(s.accepted_per_pos):
-            before = self._per_pos[pos] if pos < len(self._per_pos) else 0
-            if count > before:
-                m.accepted_per_pos.labels(*labels, str(pos)).inc(count - before)
+        _inc_each(m.accepted_per_pos, labels, s.accepted_per_pos, self._per_pos)
+        _inc_each(m.accepted_per_rank, labels, s.accepted_per_rank, self._per_rank)
+        m.num_tree_steps.labels(*labels).inc(s.num_tree_steps - self._tree_steps)
+        m.num_tree_nodes.labels(*labels).inc(s.num_tree_nodes - self._tree_nodes)
         m.window.progress(
             *labels,
             new_tokens=len(out.new_token_ids),
@@ -238,6 +258,8 @@ class RequestTracker:
         )
         self._drafts, self._draft_tokens = s.num_spec_steps, s.num_draft_tokens
         self._accepted, self._per_pos = s.num_accepted_tokens, list(s.accepted_per_pos)
+        self._per_rank = list(s.accepted_per_rank)
+        self._tree_steps, self._tree_nodes = s.num_tree_steps, s.num_tree_nodes
         self._target_steps, self._emitted = s.num_target_steps, s.num_emitted_tokens
         if out.finished:
             self.finish(out.finish_reason or "stop")
@@ -258,3 +280,11 @@ class RequestTracker:
             tpot = (now - self.first_token_time) / (self.num_output_tokens - 1)
             m.tpot.labels(*labels).observe(tpot)
         m.window.finished(*labels, tpot)
+
+
+def _inc_each(counter: Counter, labels: tuple, counts: list[int], before: list[int]) -> None:
+    """Add what each index of ``counts`` gained over ``before`` to its labelled child."""
+    for i, count in enumerate(counts):
+        seen = before[i] if i < len(before) else 0
+        if count > seen:
+            counter.labels(*labels, str(i)).inc(count - seen)

@@ -132,6 +132,7 @@ def build_draft_engine(engine: LLMEngine, num_blocks: int | None = None) -> LLME
         draft_model=None,
         speculative_method="none",
         speculative_mode="off",
+        spec_tree_max_nodes=0,  # the served draft decodes plainly: no drafts, no trees
         num_kv_blocks=num_blocks,
         controller_warmup=False,
     )

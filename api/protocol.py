@@ -152,6 +152,9 @@ class SpeculativeUsage(BaseModel):
     accepted_tokens: int
     acceptance_rate: float
     mean_accepted_length: float
+    # token trees only: nodes verified per tree step, accepted nodes by rank among siblings
+    nodes_per_tree_step: float | None = None
+    accepted_per_rank: list[int] | None = None
 
 
 class PromptTokensDetails(BaseModel):

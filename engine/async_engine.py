@@ -183,6 +183,8 @@ def _copy_stats(stats: SpecStats) -> SpecStats:
         stats,
         accepted_per_pos=list(stats.accepted_per_pos),
         drafted_per_pos=list(stats.drafted_per_pos),
+        judged_per_pos=list(stats.judged_per_pos),
+        accepted_per_rank=list(stats.accepted_per_rank),
     )
 
 
