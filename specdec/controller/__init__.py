@@ -1,7 +1,6 @@
 """Speculation policies: how many drafts each decode-ready sequence verifies per step.
 
-The model is stated in docs/controller.md; the engine builds its policy in
-``specdec.engine.policy_setup``.
+docs/controller.md states the model; ``specdec.engine.policy_setup`` builds the engine's policy.
 """
 
 from specdec.controller.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy

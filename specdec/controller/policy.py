@@ -131,8 +131,7 @@ def drafts_to_continue(values: Seq[float], num_pinned: int, stop: DraftStop) -> 
 
 
 class FixedPolicy:
-    """k drafts for every 'on' and 'auto' sequence, none for 'off'; as trees of ``tree_nodes``
-    nodes, k levels deep, when that is set."""
+    """k drafts for every 'on' and 'auto' sequence (as trees of ``tree_nodes`` nodes, k deep)."""
 
     def __init__(self, k: int, tree_nodes: int = 0) -> None:
         self.k = k
@@ -144,7 +143,7 @@ class FixedPolicy:
         nodes = [self.tree_nodes if k else 0 for k in self._last] if self.tree_nodes else None
         return SpecDecision(list(self._last), tree_nodes=nodes)
 
-    def observe(self, obs: StepObservation) -> None:
+    def observe(self, obs: StepObservation) -> None:  # a fixed k learns nothing
         pass
 
     def stats(self) -> dict:
@@ -460,8 +459,5 @@ def _counts(n: int) -> list[int]:
 
 
 def _k_stats(ks: Seq[int]) -> dict:
-    n = len(ks)
-    return {
-        "mean_k": sum(ks) / n if n else 0.0,
-        "speculating_fraction": sum(k > 0 for k in ks) / n if n else 0.0,
-    }
+    n = max(1, len(ks))
+    return {"mean_k": sum(ks) / n, "speculating_fraction": sum(k > 0 for k in ks) / n}
