@@ -41,7 +41,7 @@ from specdec.engine.model_runner import RunEntry
 from specdec.engine.models.arch import ModelArch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.evals.cost_table import StepCosts
-from specdec.evals.traces import RequestTrace
+from specdec.evals.traces import TOP_K, RequestTrace
 
 from specdec.controller.policy import (
     FixedPolicy,
@@ -79,6 +79,10 @@ class ReplayRequest:
     confidence: np.ndarray  # [len(path)] the draft's probability of its top token there
     temperature: float
     arrival: float = 0.0  # seconds after the start (open-loop arrivals only)
+    # [len(path)] the rank of the path's token among the draft's choices there (0 where accepted;
+    # TOP_K: not among them) and [len(path), TOP_K] the draft's probabilities of its top choices
+    rank: np.ndarray | None = None
+    top_probs: np.ndarray | None = None
 
     def token_at(self, pos: int) -> int | None:
         """Local id at absolute position ``pos`` of prompt + path (None past the end)."""
@@ -113,6 +117,11 @@ def replay_request(
     else:
         rng = np.random.default_rng([seed, offset, int.from_bytes(trace.id.encode()[:8], "big")])
         accept = rng.random(trace.num_output) < trace.overlap()
+    # Where a draft is rejected, the path's token is the draft's recorded r-th choice (r >= 1), or
+    # none of its top choices (at temperature 1 also where its first choice was, but lost the draw).
+    hit = trace.draft_ids == trace.tokens[:, None]
+    recorded = np.where(hit.any(axis=1), hit.argmax(axis=1), TOP_K)
+    rank = np.where(accept, 0, np.where(recorded > 0, recorded, TOP_K))
     filler_rng = np.random.default_rng(list(request_id.encode()))
     filler = [local_id(t) for t in filler_rng.integers(0, LOCAL_VOCAB, filler_tokens)]
     return ReplayRequest(
@@ -122,6 +131,8 @@ def replay_request(
         accept=np.asarray(accept, bool),
         confidence=trace.draft_probs[:, 0].astype(np.float64),
         temperature=trace.temperature,
+        rank=rank.astype(np.int64),
+        top_probs=trace.draft_probs.astype(np.float64),
     )
 
 
@@ -192,10 +203,11 @@ class TraceTargetRunner(_TraceRunner):
             req = self.book.get(e.seq.request_id)
             if req is not None:
                 rows_by_temperature[req.temperature > 0] += e.num_logits
-            first = e.start_pos + len(e.token_ids) - e.num_logits
+            positions = _row_positions(e)
             for j in range(e.num_logits):
-                # the row at position i predicts the token at i + 1
-                tok = req.token_at(first + j + 1) if req is not None else None
+                # the row at position i predicts the token at i + 1 (a tree node off the path
+                # gets the path's token too: the verify never reads its row)
+                tok = req.token_at(positions[j] + 1) if req is not None else None
                 logits[row, tok if tok is not None else FIRST_ID] = 1.0
                 row += 1
         self.num_forwards += 1
@@ -213,24 +225,11 @@ class TraceDraftRunner(_TraceRunner):
             req = self.book.get(e.seq.request_id)
             if req is not None:
                 rows_by_temperature[req.temperature > 0] += e.num_logits
-            first = e.start_pos + len(e.token_ids) - e.num_logits
+            positions = _row_positions(e)
+            fed_tokens = list(e.token_ids)[len(e.token_ids) - e.num_logits :]
             for j in range(e.num_logits):
-                pos = first + j + 1  # the position this row predicts
-                tok, conf = FIRST_ID, 0.5
-                if req is not None:
-                    truth = req.token_at(pos)
-                    k = pos - len(req.prompt)
-                    fed = e.token_ids[len(e.token_ids) - e.num_logits + j]
-                    # The draft has seen the true prefix when its last input token is on the
-                    # path: a rejected proposal is never on it, so everything after one is off.
-                    on_path = fed == req.token_at(pos - 1)
-                    if truth is not None and k >= 0:
-                        accepted = on_path and bool(req.accept[k])
-                        tok = truth if accepted else other_id(truth)
-                        conf = float(req.confidence[k])
-                conf = min(max(conf, 1e-3), 0.999)
-                logits[row].fill_(math.log((1.0 - conf) / (LOCAL_VOCAB - 1)))
-                logits[row, tok] = math.log(conf)
+                pos = positions[j] + 1  # the position this row predicts
+                logits[row] = _draft_row(req, pos, fed_tokens[j])
                 row += 1
         self.num_forwards += 1
         entries_shape = [(len(e.token_ids), e.start_pos) for e in entries]
@@ -241,6 +240,42 @@ class TraceDraftRunner(_TraceRunner):
             + self.costs.sampling_seconds(sampled, 1.0)
         )
         return logits
+
+
+def _row_positions(e: RunEntry) -> list[int]:
+    """The positions of an entry's logits rows (explicit for a tree's nodes)."""
+    positions = list(e.token_positions)
+    return positions[len(positions) - e.num_logits :]
+
+
+def _draft_row(req: ReplayRequest | None, pos: int, fed: int) -> torch.Tensor:
+    """The draft's logits predicting ``pos`` after reading ``fed`` at ``pos - 1``.
+
+    On the recorded path (the draft has seen the true prefix when its last input token is on it:
+    a rejected proposal never is, so everything after one is off), its choices are ranked as the
+    trace says: the path's token at its recorded rank (first where the proposal is accepted)
+    with the recorded top probabilities, other ids at the other ranks. Off the path, one
+    arbitrary proposal of probability 1/2."""
+    truth = req.token_at(pos) if req is not None else None
+    k = pos - len(req.prompt) if req is not None else -1
+    if truth is None or k < 0 or fed != req.token_at(pos - 1):
+        row = torch.full((LOCAL_VOCAB,), math.log(0.5 / (LOCAL_VOCAB - 1)))
+        row[truth if truth is not None else FIRST_ID] = math.log(0.5)
+        return row
+    # Recorded order kept on ties (a slightly smaller probability at each later rank).
+    probs = [
+        min(max(float(p), 1e-6), 0.999) * (1 - 1e-3 * r) for r, p in enumerate(req.top_probs[k])
+    ]
+    rest = min(probs[-1], (1.0 - sum(probs)) / (LOCAL_VOCAB - TOP_K)) / 2
+    row = torch.full((LOCAL_VOCAB,), math.log(max(rest, 1e-9)))
+    rank, other = int(req.rank[k]), truth
+    for r, p in enumerate(probs):
+        if r == rank:
+            row[truth] = math.log(p)
+        else:
+            other = other_id(other)
+            row[other] = math.log(p)
+    return row
 
 
 def replay_arch() -> ModelArch:
@@ -524,10 +559,19 @@ class OraclePolicy:
         return {"mean_k": sum(self._last_ks) / n if n else 0.0}
 
 
+# Token-tree policies: every step drafts a tree of this many nodes, this many levels deep.
+TREE_POLICIES = {"tree_n8": (8, 4), "tree_n16": (16, 5)}
+
+
 def default_policies() -> list[Policy]:
-    """plain, fixed_k1..fixed_k6, adaptive (the engine's own policy), oracle."""
+    """plain, fixed_k1..fixed_k6, tree_n8 and tree_n16, adaptive (the engine's own policy),
+    oracle."""
     policies = [Policy("plain", lambda e: FixedPolicy(0))]
     policies += [Policy(f"fixed_k{k}", lambda e, k=k: FixedPolicy(k)) for k in range(1, MAX_K + 1)]
+    policies += [
+        Policy(name, lambda e, n=n, k=k: FixedPolicy(k, n))
+        for name, (n, k) in TREE_POLICIES.items()
+    ]
     policies.append(Policy("adaptive"))
     policies.append(Policy("oracle", lambda e: OraclePolicy(e.book, e.costs, MAX_K)))
     return policies

@@ -217,12 +217,32 @@ def test_suite_is_deterministic_and_has_the_required_shape(tmp_path):
 
 def test_default_suite_names_every_policy_and_scenario():
     names = [p.name for p in default_policies()]
-    assert names == ["plain", *[f"fixed_k{k}" for k in range(1, 7)], "adaptive", "oracle"]
+    assert names == [
+        "plain", *[f"fixed_k{k}" for k in range(1, 7)], "tree_n8", "tree_n16", "adaptive", "oracle"
+    ]  # fmt: skip
     scenario_names = [s.name for s in default_scenarios()]
     for c in (1, 2, 4, 8, 16, 32, 64):
         assert f"code_c{c}" in scenario_names and f"open_c{c}" in scenario_names
     for name in ("slowdown", "stalls", "switch", "long_prompts", "mixed"):
         assert name in scenario_names
+
+
+def test_tree_policies_follow_the_recorded_ranks():
+    """Where the draft's second choice is the path's token a chain stops and a tree goes on;
+    every policy still commits the recorded path (run_policy checks it)."""
+    trace = synthetic_trace("r0", "code_generation", 0.0, [True, False, True, True] * 8)
+    for j in range(trace.num_output):
+        if trace.draft_ids[j, 0] != trace.tokens[j]:
+            trace.draft_ids[j, 1] = trace.tokens[j]  # the path's token, ranked second
+    req = replay_request(trace, "q0", seed=0)
+    assert req.rank.tolist() == [0, 1, 0, 0] * 8
+    per_forward = {}
+    for name, make in (("chain", lambda e: FixedPolicy(4)), ("tree", lambda e: FixedPolicy(4, 8))):
+        result, engine = run_policy(Workload([req], 1), Policy(name, make), COSTS, SHAPE)
+        per_forward[name] = engine.spec_stats.mean_accepted_length
+        if name == "tree":
+            assert engine.spec_stats.accepted_per_rank[1] > 0
+    assert per_forward["tree"] > per_forward["chain"] + 0.5
 
 
 def test_a_scenario_without_requests_for_its_workload_is_an_error():

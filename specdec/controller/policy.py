@@ -66,9 +66,9 @@ class DraftStop:
 class SpecDecision:
     ks: list[int]  # per sequence: drafts to verify (an upper bound when ``stop`` is set)
     stop: DraftStop | None = None
-    tree_nodes: list[int] | None = None  # per sequence: a tree of this many nodes, k deep
     predicted_seconds: float = 0.0
     predicted_goodput: float = 0.0
+    tree_nodes: list[int] | None = None  # per sequence: a tree of this many nodes, k deep
 
 
 @dataclass
