@@ -266,7 +266,9 @@ def _draft_row(req: ReplayRequest | None, pos: int, fed: int) -> torch.Tensor:
     probs = [
         min(max(float(p), 1e-6), 0.999) * (1 - 1e-3 * r) for r, p in enumerate(req.top_probs[k])
     ]
-    rest = min(probs[-1], (1.0 - sum(probs)) / (LOCAL_VOCAB - TOP_K)) / 2
+    # The rest of the mass spread over the other ids: the row's probabilities are the recorded
+    # ones (a stop rule reads them) unless that would outrank a recorded choice.
+    rest = min(probs[-1] * 0.999, max(1.0 - sum(probs), 0.0) / (LOCAL_VOCAB - TOP_K))
     row = torch.full((LOCAL_VOCAB,), math.log(max(rest, 1e-9)))
     rank, other = int(req.rank[k]), truth
     for r, p in enumerate(probs):
