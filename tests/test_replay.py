@@ -231,6 +231,8 @@ def test_tree_policies_follow_the_recorded_ranks():
     """Where the draft's second choice is the path's token a chain stops and a tree goes on;
     every policy still commits the recorded path (run_policy checks it)."""
     trace = synthetic_trace("r0", "code_generation", 0.0, [True, False, True, True] * 8)
+    trace.draft_probs[:, 1:] = 0.2 / 6
+    trace.draft_probs[:, 1] = 0.3  # a clear second choice
     for j in range(trace.num_output):
         if trace.draft_ids[j, 0] != trace.tokens[j]:
             trace.draft_ids[j, 1] = trace.tokens[j]  # the path's token, ranked second
@@ -242,7 +244,7 @@ def test_tree_policies_follow_the_recorded_ranks():
         per_forward[name] = engine.spec_stats.mean_accepted_length
         if name == "tree":
             assert engine.spec_stats.accepted_per_rank[1] > 0
-    assert per_forward["tree"] > per_forward["chain"] + 0.5
+    assert per_forward["tree"] > per_forward["chain"] + 0.25
 
 
 def test_a_scenario_without_requests_for_its_workload_is_an_error():
