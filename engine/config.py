@@ -124,8 +124,8 @@ class EngineConfig:
             f"spec_tree_branching must be >= 1, got {self.spec_tree_branching}",
         )
         check(
-            self.spec_tree_max_nodes == 0 or self.speculative_method == "draft_model",
-            "token trees (--spec-tree-max-nodes > 0) need speculative_method=draft_model",
+            self.spec_tree_max_nodes == 0 or self.speculative_method != "none",
+            "token trees (--spec-tree-max-nodes > 0) need a proposer (draft_model or ngram)",
         )
         check(
             self.spec_tree_max_nodes == 0 or self.speculative_policy == "fixed",

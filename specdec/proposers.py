@@ -16,7 +16,7 @@ from specdec.engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_
 from specdec.engine.model_runner import ModelRunner, RunEntry
 from specdec.engine.sampling import RowContext
 from specdec.engine.scheduler import ScheduledSeq
-from specdec.ngram import propose_ngram
+from specdec.ngram import propose_ngram, propose_ngram_tree
 from specdec.tree_proposal import GrowingTree, TreeShape
 
 
@@ -54,7 +54,8 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup: continue the latest earlier occurrence of the sequence's suffix. No model."""
+    """Prompt lookup: continue the latest earlier occurrence of the sequence's suffix. No model.
+    An item with a depth gets a token tree of the continuations of several occurrences."""
 
     name = "ngram"
 
@@ -64,12 +65,19 @@ class NgramProposer:
 
     def propose(self, items: list[ScheduledSeq], stop: DraftStop | None = None) -> Drafts:
         # Every position is drafted at once, for free: there is nothing to stop early.
-        out = [
-            Proposal(
-                propose_ngram(it.seq.token_ids, it.num_spec_tokens, self.n_min, self.n_max), None
-            )
-            for it in items
-        ]
+        out = []
+        for it in items:
+            if it.spec_depth and it.num_spec_tokens:
+                tokens, parents = propose_ngram_tree(
+                    it.seq.token_ids, it.spec_depth, self.n_min, self.n_max, it.num_spec_tokens
+                )
+                tree = DraftTree(tokens, parents) if tokens else None
+                out.append(Proposal(tokens, None, tree=tree))
+            elif it.num_spec_tokens:
+                tokens = propose_ngram(it.seq.token_ids, it.num_spec_tokens, self.n_min, self.n_max)
+                out.append(Proposal(tokens, None))
+            else:
+                out.append(Proposal([], None))
         return Drafts(out)
 
 

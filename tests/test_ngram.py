@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.ngram import propose_ngram
+from specdec.ngram import propose_ngram, propose_ngram_tree
 
 
 def test_simple_match_proposes_what_followed() -> None:
@@ -105,3 +105,26 @@ def test_proposal_is_continuation_of_latest_longest_match(
     assert len(proposal) == min(k, len(tokens) - (m + n))
     for i, token in enumerate(proposal):
         assert token == tokens[m + n + i]
+
+
+def test_ngram_tree_merges_several_occurrences_and_starts_with_the_chain():
+    tokens = [1, 2, 3, 9, 1, 2, 4, 5, 1, 2, 3, 7, 1, 2]
+    ids, parents = propose_ngram_tree(tokens, k=3, n_min=1, n_max=2, max_nodes=8)
+    # occurrences of [1, 2], newest first: ...3 7 1, ...4 5 1, ...3 9 1, merged by prefix
+    assert ids == [3, 4, 7, 9, 5, 1, 1, 1]
+    assert parents == [-1, -1, 0, 0, 1, 2, 3, 4]
+    chain = propose_ngram(tokens, k=3, n_min=1, n_max=2)
+    path, node = [], 0
+    while True:
+        path.append(ids[node])
+        kids = [j for j, p in enumerate(parents) if p == node]
+        if not kids:
+            break
+        node = kids[0]
+    assert path == chain
+    small, small_parents = propose_ngram_tree(tokens, k=3, n_min=1, n_max=2, max_nodes=4)
+    # the newest continuation whole, then what of the next fits
+    assert small == [3, 4, 7, 1] and small_parents == [-1, -1, 0, 2]
+    assert propose_ngram_tree([1, 2, 3], k=2, n_min=2, n_max=2, max_nodes=4) == ([], [])
+    with pytest.raises(ValueError, match="max_nodes"):
+        propose_ngram_tree(tokens, k=3, n_min=1, n_max=2, max_nodes=0)

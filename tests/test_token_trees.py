@@ -64,6 +64,20 @@ def test_a_tree_commits_more_per_target_forward_than_the_chain_of_its_depth(targ
     assert tree.spec_stats.mean_accepted_length > chain.spec_stats.mean_accepted_length
 
 
+def test_ngram_trees_equal_plain_decode(target):
+    """Prompt lookup offers the continuations of several earlier occurrences as one tree."""
+    engine = make_engine(
+        target, None, speculative_method="ngram", ngram_n_min=1, num_speculative_tokens=3,
+        speculative_policy="fixed", speculative_mode="on", spec_tree_max_nodes=8,
+    )  # fmt: skip
+    free0 = engine.allocator.num_free_blocks
+    ps = [p + p + p[: len(p) // 2] for p in prompts(5, seed=7)]  # repeats to look up
+    outs = engine.generate(ps, GREEDY)
+    assert [o.output_token_ids for o in outs] == expected(target, ps)
+    assert engine.spec_stats.num_tree_steps > 0
+    assert engine.allocator.num_free_blocks == free0
+
+
 def test_seeded_sampled_trees_commit_what_plain_decode_commits(target, noisy_draft):
     params = [
         SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=100 + i, ignore_eos=True)
@@ -113,7 +127,7 @@ def test_tree_usage_reports_nodes_and_ranks(target, noisy_draft):
         (dict(spec_tree_growth="bushy"), "spec_tree_growth must be one of"),
         (dict(spec_tree_branching=0), "spec_tree_branching must be >= 1"),
         (dict(speculative_policy="adaptive"), "fixed policy for now"),
-        (dict(speculative_method="ngram"), "need speculative_method=draft_model"),
+        (dict(speculative_method="none"), "need a proposer"),
     ],
 )
 def test_bad_tree_options_are_refused(target, noisy_draft, overrides, message):
