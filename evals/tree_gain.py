@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 from specdec.evals.cost_table import StepCosts
-from specdec.evals.traces import TOP_K, RequestTrace, TraceSet, load_traces
+from specdec.evals.traces import META_FILE, TOP_K, RequestTrace, TraceSet, load_traces
 
 GROUPS = {
     "code": ("code_generation", "code_editing"),
@@ -105,11 +105,11 @@ def step_seconds(costs: StepCosts, tree: frozenset[RankPath]) -> float:
     return seconds
 
 
-def evaluate(traces: TraceSet, priced_by: TraceSet | None = None) -> dict:
-    """Every group, depth and shape; step times from ``priced_by``'s cost table (default: the
-    traces' own)."""
-    priced_by = priced_by or traces
-    costs = StepCosts(priced_by.cost_table)
+def evaluate(traces: TraceSet, priced_by: dict | None = None) -> dict:
+    """Every group, depth and shape; step times from the cost table in ``priced_by`` (a trace
+    set's meta; default: the traces' own)."""
+    meta = priced_by or traces.meta
+    costs = StepCosts(meta["cost_table"])
     greedy = [r for r in traces.requests if r.temperature == 0]
     out: dict = {"groups": {}}
     for group, categories in GROUPS.items():
@@ -149,9 +149,7 @@ def evaluate(traces: TraceSet, priced_by: TraceSet | None = None) -> dict:
             "plain_ms_per_token": plain_ms,
             "rows": rows,
         }
-    out["cost_table_machine"] = priced_by.meta.get("cost_table_machine") or priced_by.meta.get(
-        "machine", {}
-    )
+    out["cost_table_machine"] = meta.get("cost_table_machine") or meta.get("machine", {})
     return out
 
 
@@ -227,12 +225,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cost-table-from",
         default=None,
-        help="a trace set whose cost table prices the steps (another weight format, say)",
+        help="a trace set's meta.json (or its directory) whose cost table prices the steps "
+        "(another weight format, say)",
     )
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--commit", default="unknown", help="commit named in the markdown")
     args = parser.parse_args(argv)
-    priced_by = load_traces(args.cost_table_from) if args.cost_table_from else None
+    priced_by = None
+    if args.cost_table_from:
+        path = Path(args.cost_table_from)
+        priced_by = json.loads((path / META_FILE if path.is_dir() else path).read_text())
     result = evaluate(load_traces(args.traces), priced_by)
     result["summary"] = summary(result)
     out = Path(args.output_dir)

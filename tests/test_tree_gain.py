@@ -83,6 +83,13 @@ def test_main_writes_json_and_markdown(tmp_path):
     assert set(body["groups"]) == {"code", "chat"}
     md = (out / "tree_gain.md").read_text()
     assert "tree_n16" in md and "test" in md
+    # another cost table prices the same traces: a meta.json file
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"cost_table": ts.meta["cost_table"],
+                                "cost_table_machine": {"cpu": "other", "dtype": "bf16"}}))  # fmt: skip
+    args = ["--traces", str(traces_dir), "--cost-table-from", str(meta), "--output-dir", str(out)]
+    assert tree_gain.main(args) == 0
+    assert "other" in (out / "tree_gain.md").read_text()
 
 
 def test_missing_trace_set_is_a_clear_error(tmp_path):
