@@ -34,7 +34,7 @@ def _spec_line(r: SpecRow) -> str:
     per_pos = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos) or "-"
     same = {None: "-", True: "yes", False: f"**NO ({r.num_mismatches})**"}[r.greedy_identical]
     cells = [
-        f"{r.proposer} k={r.k}",
+        f"{r.proposer} k={r.k}" + (f" tree={r.tree_nodes}" if r.tree_nodes else ""),
         f"{r.temperature:g}",
         f"{r.tokens_per_s:.2f}",
         _f(r.speedup),

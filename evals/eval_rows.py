@@ -71,6 +71,9 @@ class SpecRow:
     verify_time_share: float | None
     greedy_identical: bool | None  # None when the temperature is not 0 (outputs may differ)
     num_mismatches: int
+    tree_nodes: int = 0  # > 0: the rows of token trees of at most this many nodes, k deep
+    nodes_per_tree_step: float = 0.0
+    accepted_per_rank: list[int] = field(default_factory=list)  # accepted nodes by sibling rank
 
 
 @dataclass
@@ -167,6 +170,7 @@ def spec_rows(
     runs: ConfigRuns,
     plain: Mapping[str, Sequence[PromptRun]],
     mismatches: Sequence[Mismatch],
+    tree_nodes: int = 0,
 ) -> list[SpecRow]:
     plain_all = with_all(plain)
     steps = dict(runs.steps)
@@ -209,6 +213,9 @@ def spec_rows(
                 verify_time_share=steps.get(cat, StepTotals()).verify_share,
                 greedy_identical=(n_bad == 0) if temperature == 0 else None,
                 num_mismatches=n_bad,
+                tree_nodes=tree_nodes,
+                nodes_per_tree_step=stats.nodes_per_tree_step,
+                accepted_per_rank=list(stats.accepted_per_rank),
             )
         )
     return rows

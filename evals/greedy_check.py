@@ -21,10 +21,12 @@ class Mismatch:
     plain_len: int
     spec_window: list[int]  # tokens around `position` in the speculative output
     plain_window: list[int]  # the same span of the plain output
+    tree_nodes: int = 0  # > 0: the speculative run drafted trees of this many nodes
 
     def describe(self) -> str:
         return (
-            f"FAILURE: {self.proposer} k={self.k} on {self.prompt_id} ({self.category}): greedy "
+            f"FAILURE: {self.proposer} k={self.k}{f' tree={self.tree_nodes}' if self.tree_nodes else ''}"
+            f" on {self.prompt_id} ({self.category}): greedy "
             f"speculative output differs from plain decode at output token {self.position} "
             f"(lengths {self.spec_len} vs {self.plain_len}); speculative ...{self.spec_window}... "
             f"plain ...{self.plain_window}..."
@@ -48,6 +50,7 @@ def compare_greedy(
     categories: Mapping[str, str],
     proposer: str,
     k: int,
+    tree_nodes: int = 0,
 ) -> list[Mismatch]:
     """Every prompt whose speculative output is not token-identical to its plain output.
 
@@ -74,6 +77,7 @@ def compare_greedy(
                 plain_len=len(p),
                 spec_window=s[lo:hi],
                 plain_window=p[lo:hi],
+                tree_nodes=tree_nodes,
             )
         )
     return mismatches

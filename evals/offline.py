@@ -28,14 +28,16 @@ logger = logging.getLogger(__name__)
 
 PROPOSERS: tuple[str, ...] = ("draft_model", "ngram")
 
-EngineFactory = Callable[[str, int], object]
-"""(speculative_method, k) -> a fresh engine.LLMEngine; method "none" gives the plain engine."""
+EngineFactory = Callable[..., object]
+"""(speculative_method, k, tree_nodes=0) -> a fresh engine.LLMEngine; method "none" gives the plain
+engine, ``tree_nodes`` > 0 one that drafts token trees of that many nodes, k deep."""
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     proposers: tuple[str, ...] = PROPOSERS
     ks: tuple[int, ...] = (1, 2, 4, 8)
+    tree_nodes: tuple[int, ...] = ()  # every (proposer, k) also drafts trees of these sizes
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_tokens: int = 128
     seed: int = 0
@@ -142,7 +144,12 @@ def evaluate(
     """Run the whole grid and return the report (failures included; never raises on them)."""
     from tqdm import tqdm
 
-    configs = [("none", 0)] + [(m, k) for m in settings.proposers for k in settings.ks]
+    configs = [("none", 0, 0)] + [
+        (m, k, n)
+        for m in settings.proposers
+        for k in settings.ks
+        for n in (0, *settings.tree_nodes)
+    ]
     plain_engine = factory("none", 0)
     encoded, skipped = encode_prompts(plain_engine, prompts, settings.max_tokens)
     categories = {ep.prompt.id: ep.prompt.category for ep in encoded}
@@ -160,11 +167,12 @@ def evaluate(
     )
     plain: dict[float, ConfigRuns] = {}
     started = time.perf_counter()
-    for method, k in configs:
-        engine = plain_engine if method == "none" else factory(method, k)
+    for method, k, nodes in configs:
+        engine = plain_engine if method == "none" else factory(method, k, nodes)
         plain_engine = None  # only the first config reuses it; let the others free memory
         speculative = "off" if method == "none" else "on"
-        bar.set_description(f"eval {'plain' if method == 'none' else f'{method} k={k}'}")
+        label = f"{method} k={k}" + (f" tree={nodes}" if nodes else "")
+        bar.set_description(f"eval {'plain' if method == 'none' else label}")
         timer = StepTimer.install(engine)
         warm_up(engine, encoded, settings, speculative)
         for temp in settings.temperatures:
@@ -176,12 +184,14 @@ def evaluate(
             mismatches = []
             if temp == 0:
                 mismatches = compare_greedy(
-                    _outputs(runs), _outputs(plain[temp]), categories, method, k
+                    _outputs(runs), _outputs(plain[temp]), categories, method, k, nodes
                 )
                 for m in mismatches:
                     logger.error(m.describe())
                 report.failures.extend(m.to_dict() for m in mismatches)
-            report.spec.extend(spec_rows(method, k, temp, runs, plain[temp].runs, mismatches))
+            report.spec.extend(
+                spec_rows(method, k, temp, runs, plain[temp].runs, mismatches, nodes)
+            )
         del engine, timer
         gc.collect()  # each engine holds a KV pool; free it before building the next
     bar.close()

@@ -19,6 +19,11 @@ def _pyplot():
     return plt
 
 
+def _arm(r: SpecRow) -> str:
+    """The proposer, and the tree size when the row's steps drafted trees."""
+    return r.proposer + (f" tree={r.tree_nodes}" if r.tree_nodes else "")
+
+
 def _temps(rows: Sequence[SpecRow]) -> list[float]:
     return sorted({r.temperature for r in rows})
 
@@ -35,7 +40,7 @@ def plot_acceptance_by_position(rows: Sequence[SpecRow], path: Path) -> Path:
             if r.temperature != temp or r.category != "all" or not r.acceptance_per_pos:
                 continue
             xs = list(range(1, len(r.acceptance_per_pos) + 1))
-            ax.plot(xs, r.acceptance_per_pos, marker="o", label=f"{r.proposer} k={r.k}")
+            ax.plot(xs, r.acceptance_per_pos, marker="o", label=f"{_arm(r)} k={r.k}")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"acceptance by draft position, T={temp:g}")
         ax.set_xlabel("draft position")
@@ -55,13 +60,13 @@ def plot_speedup_by_k(rows: Sequence[SpecRow], path: Path) -> Path:
     temperature; the dashed line at 1 is break-even."""
     plt = _pyplot()
     temps = _temps(rows)
-    proposers = list(dict.fromkeys(r.proposer for r in rows))
+    proposers = list(dict.fromkeys(_arm(r) for r in rows))
     n_r, n_c = max(1, len(temps)), max(1, len(proposers))
     fig, axes = plt.subplots(n_r, n_c, figsize=(5.5 * n_c, 4 * n_r), squeeze=False)
     for i, temp in enumerate(temps):
         for j, proposer in enumerate(proposers):
             ax = axes[i][j]
-            sel = [r for r in rows if r.temperature == temp and r.proposer == proposer]
+            sel = [r for r in rows if r.temperature == temp and _arm(r) == proposer]
             for cat in dict.fromkeys(r.category for r in sel):
                 pts = sorted((r.k, r.speedup) for r in sel if r.category == cat and r.speedup)
                 if not pts:

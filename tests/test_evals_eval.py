@@ -30,7 +30,7 @@ def pair():
 def factory_for(target, draft, plain_target=None):
     """Engines on the tiny pair; `plain_target` swaps the plain engine's model (to break it)."""
 
-    def factory(method: str, k: int):
+    def factory(method: str, k: int, tree_nodes: int = 0):
         model = plain_target if method == "none" and plain_target is not None else target
         return make_engine(
             model,
@@ -38,6 +38,8 @@ def factory_for(target, draft, plain_target=None):
             speculative_method=method,
             num_speculative_tokens=max(1, k),
             num_kv_blocks=96,
+            spec_tree_max_nodes=tree_nodes,
+            speculative_policy="fixed" if tree_nodes else "adaptive",
         )
 
     return factory
@@ -98,6 +100,22 @@ def test_eval_end_to_end_writes_well_formed_outputs(pair, tmp_path):
         assert blob.startswith(PNG_MAGIC) and len(blob) > 5000
 
 
+def test_tree_rows_sit_beside_chain_rows(pair, tmp_path):
+    target, draft = pair
+    settings = EvalSettings(
+        proposers=("draft_model",), ks=(3,), tree_nodes=(6,), temperatures=(0.0,), max_tokens=6
+    )
+    report = evaluate(PROMPTS[:2], factory_for(target, draft), settings, progress=False)
+    assert report.ok, report.failures  # greedy trees equal plain decode
+    rows = [r for r in report.spec if r.category == "all"]
+    assert sorted(r.tree_nodes for r in rows) == [0, 6]
+    tree = next(r for r in rows if r.tree_nodes)
+    assert 1 < tree.nodes_per_tree_step <= 6
+    assert sum(tree.accepted_per_rank) == tree.num_accepted_tokens
+    paths = write_eval_outputs(report, tmp_path)
+    assert "draft_model k=3 tree=6" in paths["markdown"].read_text()
+
+
 def test_greedy_mismatch_is_a_loud_failure(pair, tmp_path, capsys):
     target, draft = pair
     other = tiny_hf_model("qwen2", seed=7)  # plain decode on a different model must disagree
@@ -153,6 +171,8 @@ def test_eval_cli_on_saved_models_with_transformers_baselines(pair, tmp_path, ca
         (["--categories", "math,poetry"], "unknown category 'poetry'"),
         (["--ks", "2,x"], "--ks: 'x' is not"),
         (["--ks", "0"], "out of range"),
+        (["--tree-nodes", "0"], "out of range"),
+        (["--tree-nodes", "65"], "out of range"),
         (["--proposers", "medusa"], "unknown value(s) 'medusa'"),
         (["--limit", "0"], "--limit must be >= 1"),
         (["--draft-model", "none"], "no --draft-model"),

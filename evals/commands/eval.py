@@ -7,7 +7,7 @@ import dataclasses
 import sys
 
 from specdec.api.engine_args import add_engine_arguments, config_from_args
-from specdec.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from specdec.engine.config import MAX_SPECULATIVE_TOKENS, MAX_TREE_NODES, EngineConfig
 from specdec.engine.errors import ConfigError
 from specdec.evals.cli_args import parse_choices, parse_floats, parse_ints
 from specdec.evals.datasets import (
@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="proposers to evaluate, comma-separated (default: %(default)s)",
     )
     g.add_argument("--ks", default="1,2,4,8", help="draft lengths k (default: %(default)s)")
+    g.add_argument(
+        "--tree-nodes",
+        default="",
+        help="token-tree sizes, comma-separated: every proposer and k also runs drafting trees "
+        "of N nodes, k deep, reported as rows beside its chain (default: chains only)",
+    )
     g.add_argument(
         "--temperatures", default="0,1", help="sampling temperatures (default: %(default)s)"
     )
@@ -82,7 +88,7 @@ class PairEngines:
             ids |= set(self.target.tokenizer.eos_token_ids)
         return sorted(ids)
 
-    def __call__(self, method: str, k: int):
+    def __call__(self, method: str, k: int, tree_nodes: int = 0):
         from specdec.engine.llm_engine import LLMEngine
 
         config = dataclasses.replace(
@@ -91,6 +97,9 @@ class PairEngines:
             num_speculative_tokens=max(1, k),
             speculative_mode="auto",
             draft_model=self.draft_name if method == "draft_model" else None,
+            spec_tree_max_nodes=tree_nodes,
+            # trees are the fixed policy's; chains keep the configured policy
+            speculative_policy="fixed" if tree_nodes else self.config.speculative_policy,
         )
         draft = self.draft if method == "draft_model" else None
         return LLMEngine(config, target=self.target, draft=draft, progress=False)
@@ -108,6 +117,9 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
     return EvalSettings(
         proposers=tuple(parse_choices(args.proposers, "--proposers", PROPOSERS)),
         ks=tuple(parse_ints(args.ks, "--ks", 1, MAX_SPECULATIVE_TOKENS)),
+        tree_nodes=tuple(parse_ints(args.tree_nodes, "--tree-nodes", 1, MAX_TREE_NODES))
+        if args.tree_nodes
+        else (),
         temperatures=tuple(parse_floats(args.temperatures, "--temperatures")),
         max_tokens=args.max_tokens,
         seed=args.seed,
