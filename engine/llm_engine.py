@@ -469,17 +469,15 @@ class LLMEngine:
                     seq, self._states[seq.request_id], new, self.eos_token_ids, self.max_model_len
                 )
                 n_acc = len(new) - 1
+                path = paths.get(seq.seq_id)
+                # A tree drafted its depth's positions (its nodes are counted as draft tokens).
+                drafted = s.num_spec_tokens if path is None else path.depth
                 if not is_first_token:  # the prefill step is not a decode step: keep it out
-                    path = paths.get(seq.seq_id)
-                    record = (
-                        (s.num_spec_tokens, n_acc, kept)
-                        if path is None
-                        else (path.depth, n_acc, kept, s.num_spec_tokens, path.ranks)
-                    )
-                    seq.spec_stats.record(*record)
-                    self.spec_stats.record(*record)
+                    tree = () if path is None else (s.num_spec_tokens, path.ranks)
+                    seq.spec_stats.record(drafted, n_acc, kept, *tree)
+                    self.spec_stats.record(drafted, n_acc, kept, *tree)
                 conf = proposals[seq.seq_id].confidence if seq.seq_id in proposals else []
-                outcomes.append(SeqOutcome(s.num_spec_tokens, n_acc, list(conf)))
+                outcomes.append(SeqOutcome(drafted, n_acc, list(conf)))
             # Rollback is arithmetic: only committed tokens minus the newest one are computed.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)

@@ -28,16 +28,9 @@ def noisy_draft(target):
 
 
 def tree_engine(target, draft, nodes: int = 8, growth: str = "dynamic", **overrides):
-    return make_engine(
-        target,
-        draft,
-        num_speculative_tokens=4,
-        speculative_policy="fixed",
-        speculative_mode="on",
-        spec_tree_max_nodes=nodes,
-        spec_tree_growth=growth,
-        **overrides,
-    )
+    options = dict(num_speculative_tokens=4, speculative_policy="fixed", speculative_mode="on")
+    options.update(overrides)
+    return make_engine(target, draft, spec_tree_max_nodes=nodes, spec_tree_growth=growth, **options)
 
 
 @pytest.mark.parametrize("growth", ["dynamic", "static"])
@@ -135,3 +128,67 @@ def test_bad_tree_options_are_refused(target, noisy_draft, overrides, message):
     options.update(overrides)
     with pytest.raises(ConfigError, match=message):
         make_engine(target, noisy_draft, **options)
+
+
+@pytest.mark.slow
+def test_unseeded_sampled_trees_keep_the_target_distribution():
+    """Tokens 0..2 of many unseeded requests drafting trees (siblings drawn without replacement,
+    recursive rejection) follow plain sampling's distribution (two-sample chi-square), while an
+    engine that accepts every tree's first path is told apart by the same test."""
+    import collections
+
+    import specdec.engine.llm_engine as le
+    from scipy.stats import chi2_contingency
+    from tiny_models import tiny_hf_model
+
+    vocab = 12
+    tgt = tiny_hf_model("qwen2", seed=1, vocab=vocab, hidden=32)
+    drf = tiny_hf_model("qwen2", seed=2, vocab=vocab, hidden=32)
+    n = 2000
+    options = dict(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=800)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+
+    def run(trees: bool, wrong: bool = False):
+        torch.manual_seed(11 if trees else 12)
+        if trees:
+            engine = tree_engine(tgt, drf, nodes=6, num_speculative_tokens=2, **options)
+        else:
+            engine = make_engine(tgt, **options)
+        original = le.verify_trees
+        if wrong:
+
+            def first_path(trees_, probs, greedy, seeds, positions):
+                """Accept each tree's first-child path whole: not the target's distribution."""
+                res = original(trees_, probs, greedy, seeds, positions)
+                for b, tree in enumerate(trees_):
+                    path, kids = [], tree.children(-1)
+                    while kids and len(path) < res.output_token_ids.shape[1] - 1:
+                        path.append(kids[0])
+                        kids = tree.children(kids[0])
+                    tokens = torch.tensor([tree.tokens[j] for j in path], dtype=torch.int64)
+                    res.output_token_ids[b, : len(path)] = tokens
+                    res.num_accepted[b] = len(path)
+                    res.accepted_nodes[b] = path
+                    res.accepted_ranks[b] = [0] * len(path)
+                return res
+
+            le.verify_trees = first_path
+        try:
+            outs = engine.generate([[3, 5, 7]] * n, params)
+        finally:
+            le.verify_trees = original
+        if trees:
+            assert engine.spec_stats.num_tree_steps > 0
+        return [tuple(o.output_token_ids) for o in outs]
+
+    plain, trees, wrong = run(False), run(True), run(True, wrong=True)
+
+    def pvalue(a, b, pos):
+        ca = collections.Counter(x[pos] for x in a)
+        cb = collections.Counter(x[pos] for x in b)
+        keys = sorted(set(ca) | set(cb))
+        return chi2_contingency([[ca[k] for k in keys], [cb[k] for k in keys]])[1]
+
+    for pos in range(3):
+        assert pvalue(plain, trees, pos) > 1e-4, pos
+    assert min(pvalue(plain, wrong, pos) for pos in (1, 2)) < 1e-4
