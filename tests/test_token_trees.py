@@ -192,3 +192,14 @@ def test_unseeded_sampled_trees_keep_the_target_distribution():
     for pos in range(3):
         assert pvalue(plain, trees, pos) > 1e-4, pos
     assert min(pvalue(plain, wrong, pos) for pos in (1, 2)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tree_nodes_compute_as_plain_decode_does_in_every_format(target, noisy_draft, dtype):
+    """Each tree row attends over its visible keys as one contiguous run, the call plain decode
+    makes: greedy trees equal plain decode bit for bit also where rounding is coarse (bf16)."""
+    ps = prompts(6, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = make_engine(target, dtype=dtype).generate(ps, params)
+    trees = tree_engine(target, noisy_draft, nodes=16, dtype=dtype).generate(ps, params)
+    assert [o.output_token_ids for o in trees] == [o.output_token_ids for o in plain]

@@ -569,3 +569,49 @@ def test_flashinfer_tree_batch_matches_torch_backend(head_dim: int) -> None:
     fi.plan(plain)
     fi.forward(q, k, v, k_pool.to(dev, dtype), v_pool.to(dev, dtype), plain)
     assert plain.plan.wrapper is fi._prefill and plain.plan.custom_mask is None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tree_rows_are_bitwise_the_decode_of_their_path_in_bf16(seed: int) -> None:
+    """The torch backend computes each tree row as plain decode computes that position (its
+    visible keys as one contiguous run): bit for bit, where a masked call over the tree's
+    scattered slots rounds differently in bf16 after a long context."""
+    heads, kv_heads, dim, page = 4, 2, 64, 16
+    backend = TorchAttentionBackend(heads, kv_heads, dim, CPU)
+    context, parents = 700, PARENTS
+    n = len(parents)
+    g = torch.Generator().manual_seed(seed)
+    pool = 2 * (-(-(context + n) // page))
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    k_cache, v_cache = rand(pool, page, kv_heads, dim), rand(pool, page, kv_heads, dim)
+    tree_table = list(range(pool // 2))
+    q = rand(n, heads, dim)
+    k_new, v_new = rand(n, kv_heads, dim), rand(n, kv_heads, dim)
+    meta = build_attention_metadata(
+        [n], [context + n], [tree_table], page, CPU, [tree_mask_from_parents(parents)]
+    )
+    backend.plan(meta)
+    tree_out = backend.forward(q, k_new, v_new, k_cache, v_cache, meta)
+    # Each node again as a decode: its path's keys copied in order after the same context.
+    path_table = list(range(pool // 2, pool))
+    flat_k = k_cache.view(-1, kv_heads, dim)
+    flat_v = v_cache.view(-1, kv_heads, dim)
+    src = slots_for_positions(tree_table, range(context), page)
+    dst = slots_for_positions(path_table, range(context), page)
+    flat_k[dst], flat_v[dst] = flat_k[src], flat_v[src]
+    for j in range(n):
+        path = root_path(parents, j)
+        if len(path) > 1:
+            anc = slots_for_positions(tree_table, [context + a for a in path[:-1]], page)
+            into = slots_for_positions(path_table, range(context, context + len(path) - 1), page)
+            flat_k[into], flat_v[into] = flat_k[anc], flat_v[anc]
+        kv_len = context + len(path)
+        decode = build_attention_metadata([1], [kv_len], [path_table], page, CPU)
+        backend.plan(decode)
+        row = backend.forward(
+            q[j : j + 1], k_new[j : j + 1], v_new[j : j + 1], k_cache, v_cache, decode
+        )
+        assert torch.equal(row[0], tree_out[j]), j
