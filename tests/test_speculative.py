@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
+from helpers_stats import same_distribution_pvalue
 from specdec.engine.errors import ConfigError, InvalidRequestError
 from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import expected, prompts, run_staggered
@@ -199,7 +198,6 @@ def test_sampled_speculative_output_follows_the_target_distribution():
     """Statistical end-to-end check through the engine: tokens 0..2 of many seeded requests
     with speculation on have the same distribution as plain sampling (two-sample chi-square),
     while a wrong engine (drafts always accepted) is told apart by the same test."""
-    from scipy.stats import chi2_contingency
 
     vocab = 12
     tgt = tiny_hf_model("qwen2", seed=1, vocab=vocab, hidden=32)
@@ -236,15 +234,9 @@ def test_sampled_speculative_output_follows_the_target_distribution():
 
     plain, spec, wrong = run("off"), run("on"), run("on", always_accept=True)
 
-    def pvalue(a, b, pos):
-        ca = collections.Counter(x[pos] for x in a)
-        cb = collections.Counter(x[pos] for x in b)
-        keys = sorted(set(ca) | set(cb))
-        return chi2_contingency([[ca[k] for k in keys], [cb[k] for k in keys]])[1]
-
     for pos in range(3):
-        assert pvalue(plain, spec, pos) > 1e-4, pos
-    assert min(pvalue(plain, wrong, pos) for pos in (1, 2)) < 1e-4
+        assert same_distribution_pvalue(plain, spec, pos) > 1e-4, pos
+    assert min(same_distribution_pvalue(plain, wrong, pos) for pos in (1, 2)) < 1e-4
 
 
 def test_bad_speculation_input(target, same_as_target):

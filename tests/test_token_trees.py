@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers_stats import same_distribution_pvalue
 from specdec.engine.errors import ConfigError
 from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import expected, prompts, run_staggered
@@ -135,10 +136,7 @@ def test_unseeded_sampled_trees_keep_the_target_distribution():
     """Tokens 0..2 of many unseeded requests drafting trees (siblings drawn without replacement,
     recursive rejection) follow plain sampling's distribution (two-sample chi-square), while an
     engine that accepts every tree's first path is told apart by the same test."""
-    import collections
-
     import specdec.engine.llm_engine as le
-    from scipy.stats import chi2_contingency
     from tiny_models import tiny_hf_model
 
     vocab = 12
@@ -183,15 +181,9 @@ def test_unseeded_sampled_trees_keep_the_target_distribution():
 
     plain, trees, wrong = run(False), run(True), run(True, wrong=True)
 
-    def pvalue(a, b, pos):
-        ca = collections.Counter(x[pos] for x in a)
-        cb = collections.Counter(x[pos] for x in b)
-        keys = sorted(set(ca) | set(cb))
-        return chi2_contingency([[ca[k] for k in keys], [cb[k] for k in keys]])[1]
-
     for pos in range(3):
-        assert pvalue(plain, trees, pos) > 1e-4, pos
-    assert min(pvalue(plain, wrong, pos) for pos in (1, 2)) < 1e-4
+        assert same_distribution_pvalue(plain, trees, pos) > 1e-4, pos
+    assert min(same_distribution_pvalue(plain, wrong, pos) for pos in (1, 2)) < 1e-4
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
