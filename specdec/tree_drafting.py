@@ -109,7 +109,9 @@ def expand(
     children: Sequence[Sequence[int]],
     sampled: bool,
 ) -> DraftTree:
-    """Append ``children[f]`` under frontier node ``f`` and store the frontier rows."""
+    """Append ``children[f]`` under frontier node ``f``; a sampled tree also stores the frontier
+    rows (its verification reads them; deterministic candidates are verified one-hot, so their
+    tree keeps none: no vocabulary-wide row per node copied each level)."""
     nodes = _check_frontier(tree, frontier_probs)
     if len(children) != len(nodes):
         raise ValueError(f"got children for {len(children)} of {len(nodes)} frontier nodes")
@@ -118,11 +120,13 @@ def expand(
         raise ValueError("a tree's children are either all sampled or all deterministic")
     device = frontier_probs.device
     q = frontier_probs.float()
-    rows = tree.draft_probs
-    if rows is None:
-        rows = torch.full((tree.num_nodes + 1, vocab), float("nan"), device=device)
-    rows = rows.to(device).clone()
-    rows[[n + 1 for n in nodes]] = q
+    rows = None
+    if sampled:
+        rows = tree.draft_probs
+        if rows is None:
+            rows = torch.full((tree.num_nodes + 1, vocab), float("nan"), device=device)
+        rows = rows.to(device).clone()
+        rows[[n + 1 for n in nodes]] = q
 
     tokens = list(tree.tokens)
     parents = list(tree.parents)
@@ -133,7 +137,8 @@ def expand(
         parents += [node] * len(kids)
         confidence.append(q[f, torch.tensor(kids, dtype=torch.int64, device=device)])
     added = len(tokens) - tree.num_nodes
-    rows = torch.cat([rows, torch.full((added, vocab), float("nan"), device=device)])
+    if rows is not None:
+        rows = torch.cat([rows, torch.full((added, vocab), float("nan"), device=device)])
     return DraftTree(
         torch.tensor(tokens, dtype=torch.int64, device=device),
         parents,
