@@ -223,6 +223,30 @@ def test_an_exploration_trial_is_charged_its_drafts_whole_catch_up():
     assert not explores(lag=1000)
 
 
+def test_a_lagging_draft_is_charged_the_seconds_of_its_catch_up_spread_over_its_steps():
+    """The draft reads a lag in one forward, so the step is charged that forward's seconds (beyond
+    a kept-pace read) divided by the steps the sequence has left, not a few rows' worth of a small
+    forward, which a flat cost curve would price at next to nothing."""
+    policy = AdaptivePolicy(2, initial_acceptance=0.5, stop_drafts_early=False)
+    for _ in range(8):
+        for rows in (1, 2, 4, 8, 16, 512, 1024):
+            draft_seconds = 0.02 if rows <= 16 else 0.001 * rows  # flat, then per row
+            policy.cost.observe(ForwardShape(1, 1), 0.1, [ForwardShape(rows, 1)], draft_seconds)
+    seqs = make_seqs(1, context=1024)
+    seqs[0].params = SamplingParams(max_tokens=20)  # E(1) = 1.5 tokens a step: 13.3 steps left
+    policy.decide(seqs, PrefillShape())  # fills the sequence's E(k) table
+
+    def step_seconds(lag: int) -> float:
+        seqs[0].num_draft_computed_tokens = 1024 - lag
+        return policy._step(seqs, [1], PrefillShape())[0]
+
+    lag_forward = policy.cost.draft_time([ForwardShape(1000, 1)])
+    kept_pace = policy.cost.draft_time([ForwardShape(2, 1)])
+    assert lag_forward > 20 * kept_pace  # the fit kept the curve's shape
+    extra = step_seconds(1000) - step_seconds(2)
+    assert extra == pytest.approx((lag_forward - kept_pace) / (20 / 1.5), rel=0.02)
+
+
 def test_decisions_are_a_function_of_their_inputs():
     def trace(seed: int) -> list[list[int]]:
         policy = AdaptivePolicy(6, initial_acceptance=0.7)

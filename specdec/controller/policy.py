@@ -15,7 +15,6 @@ decisions. docs/controller.md states the model and the reason for each default.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -161,10 +160,8 @@ class _Candidate:
 
     @property
     def ks(self) -> list[int]:
-        ks = list(self.pinned)
-        for i in self.drafting:
-            ks[i] = self.k
-        return ks
+        drafting = set(self.drafting)
+        return [self.k if i in drafting else k for i, k in enumerate(self.pinned)]
 
 
 class AdaptivePolicy:
@@ -189,8 +186,7 @@ class AdaptivePolicy:
         self._held: tuple[int, float] = (0, 0.0)  # (k, share of the auto sequences drafting)
         self._since_explore = 0
         self._last: list[int] = []
-        self._last_goodput = 0.0
-        self._last_seconds = 0.0
+        self._last_goodput = self._last_seconds = 0.0
         self._table_cache: dict[int, tuple[tuple[int, int], list[float]]] = {}
 
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
@@ -235,14 +231,12 @@ class AdaptivePolicy:
     def _tables(self, seqs: Seq[Sequence]) -> dict[int, list[float]]:
         """E_i(0..k_max) of every sequence that may draft, kept between steps while neither the
         sequence's counts nor the engine-wide estimate moved (a batch held plain reuses all)."""
-        cache, self._table_cache = self._table_cache, {}
-        out = {}
+        cache, self._table_cache, out = self._table_cache, {}, {}
         version = self.acceptance.version
         for i, s in enumerate(seqs):
             if s.spec_mode == "off":
                 continue
-            st = s.spec_stats
-            key = (version, st.num_spec_steps)
+            st, key = s.spec_stats, (version, s.spec_stats.num_spec_steps)
             hit = cache.get(s.seq_id)
             if hit is None or hit[0] != key:
                 rates = self.acceptance.seq_rates(st.accepted_per_pos, st.judged_per_pos)
@@ -262,7 +256,7 @@ class AdaptivePolicy:
             total += gain
             if n not in counts:
                 continue
-            seconds = self.cost.target_time(ForwardShape(base.rows + n, base.seqs, base.attended))
+            seconds = self.cost.target_time(_plus(base, ForwardShape(n, 0)))
             if self.has_draft_model:
                 seconds += self.cost.draft_time([ForwardShape(n, n)])
             if (value + total) / seconds > bar:
@@ -275,16 +269,11 @@ class AdaptivePolicy:
         """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
         seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill))
         tables = self._table_cache
-        drafting = [
-            (
-                k,
-                1,
-                self._catch_up(s, tables[s.seq_id][1][min(k, self.k_max)], amortize),
-                _sampled(s),
-            )
-            for s, k in zip(seqs, ks, strict=True)
-            if k
-        ]
+        drafting = []
+        for s, k in ((s, k) for s, k in zip(seqs, ks, strict=True) if k):
+            rows, lag_seconds = self._catch_up(s, tables[s.seq_id][1][min(k, self.k_max)], amortize)
+            drafting.append((k, 1, rows, _sampled(s)))
+            seconds += lag_seconds
         if drafting and self.has_draft_model:
             seconds += self.cost.draft_time(_draft_forwards(drafting))
         return seconds, FIRST_TOKEN_WEIGHT * prefill.seqs
@@ -301,32 +290,31 @@ class AdaptivePolicy:
         as running sums, so pricing one costs two cost-model calls, not a pass over the batch."""
         base = _target_shape_of(seqs, pinned, prefill)
         base_value = FIRST_TOKEN_WEIGHT * prefill.seqs
-        on_catch_up, on_sampled = 0, 0
+        on_catch_up, on_sampled, on_lag_seconds = 0, 0, 0.0
         for i, (s, k) in enumerate(zip(seqs, pinned, strict=True)):
             base_value += tables[i][k] if i in tables else 1.0
             if k:
-                on_catch_up += self._catch_up(s, tables[i][k])
+                more_rows, more_seconds = self._catch_up(s, tables[i][k])
+                on_catch_up, on_lag_seconds = on_catch_up + more_rows, on_lag_seconds + more_seconds
                 on_sampled += _sampled(s)
         num_on = sum(1 for k in pinned if k)
         on_k = self.k_max if num_on else 0
 
-        def price(k: int, n: int, rows: int, att: int, samp: int, value: float, catch_up: int,
-                  drafts_sampled: int):  # fmt: skip
-            seconds = self.cost.target_time(
-                ForwardShape(base.rows + rows, base.seqs, base.attended + att, base.sampled + samp)
-            )
+        def price(k, n, rows, att, samp, value, catch_up, drafts_sampled, lag_seconds):
+            more = ForwardShape(rows, 0, att, samp)
+            seconds = self.cost.target_time(_plus(base, more)) + on_lag_seconds + lag_seconds
             if (n or num_on) and self.has_draft_model:
                 groups = [(k, n, catch_up, drafts_sampled), (on_k, num_on, on_catch_up, on_sampled)]
                 seconds += self.cost.draft_time(_draft_forwards(groups))
             return seconds, base_value + value
 
-        seconds, value = price(0, 0, 0, 0, 0, 0.0, 0, 0)
+        seconds, value = price(0, 0, 0, 0, 0, 0.0, 0, 0, 0.0)
         out = [_Candidate(0, 0.0, value / seconds, seconds, pinned)]
         for k in range(1, self.k_max + 1):
             order = sorted(auto, key=lambda i: -tables[i][k])
             counts = set(_counts(len(order)))
             rows = att = samp = catch_up = drafts_sampled = 0
-            value = 0.0
+            value = lag_seconds = 0.0
             for n, i in enumerate(order, start=1):
                 ctx = seqs[i].num_tokens
                 rows += k
@@ -334,27 +322,34 @@ class AdaptivePolicy:
                 samp += k * _sampled(seqs[i])
                 drafts_sampled += _sampled(seqs[i])
                 value += tables[i][k] - 1.0
-                catch_up += self._catch_up(seqs[i], tables[i][k])
+                more_rows, more_seconds = self._catch_up(seqs[i], tables[i][k])
+                catch_up, lag_seconds = catch_up + more_rows, lag_seconds + more_seconds
                 if n in counts:
-                    seconds, total = price(k, n, rows, att, samp, value, catch_up, drafts_sampled)
+                    args = (rows, att, samp, value, catch_up, drafts_sampled, lag_seconds)
+                    seconds, total = price(k, n, *args)
                     out.append(
                         _Candidate(k, n / len(order), total / seconds, seconds, pinned, order[:n])
                     )
         return out
 
-    def _catch_up(self, seq: Sequence, expected: float, amortize: bool = True) -> int:
-        """Draft rows a step that drafts for ``seq`` is charged: the 1-2 tokens a draft that kept
-        pace reads, plus the rest of its lag (a prompt it never read, steps it sat out) spread
-        over the steps the sequence has left at ``expected`` tokens a step, as it serves them
-        all. A one-step trial (``amortize`` False) is charged all of it."""
+    def _catch_up(self, seq: Sequence, expected: float, amortize: bool = True):
+        """(rows in the step's first draft forward, seconds beside it) of drafting for ``seq``.
+        A draft that lags (a prompt it never read, steps it sat out) reads its lag in one forward,
+        whose seconds beyond a kept-pace read are spread over the sequence's remaining steps at
+        ``expected`` tokens a step (seconds, not rows: a lag-sized forward costs far more than
+        its rows add to a small one). A one-step trial (``amortize`` False) pays all of it."""
         lag = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
         if lag <= _KEPT_PACE or not amortize:
-            return lag
+            return lag, 0.0
+        if not self.has_draft_model:
+            return _KEPT_PACE, 0.0
         left = self.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens)
         steps_left = max(1.0, left / expected)
-        return _KEPT_PACE + math.ceil((lag - _KEPT_PACE) / steps_left)
+        extra = self.cost.draft_time([ForwardShape(lag, 1)])
+        extra -= self.cost.draft_time([ForwardShape(_KEPT_PACE, 1)])
+        return _KEPT_PACE, max(0.0, extra) / steps_left
 
     def _evaluate_held(self, seqs, auto, tables, pinned, prefill) -> _Candidate:
         k, share = self._held
@@ -397,9 +392,8 @@ class AdaptivePolicy:
         sampled = sum(map(_sampled, drafting)) / len(drafting)
         marginal = []
         for m in range(1, len(drafting) + 1):
-            more = ForwardShape(base.rows + m, base.seqs, base.attended + m * context,
-                                base.sampled + round(m * sampled))  # fmt: skip
-            seconds = self.cost.target_time(more) - self.cost.target_time(base)
+            more = ForwardShape(m, 0, m * context, round(m * sampled))
+            seconds = self.cost.target_time(_plus(base, more)) - self.cost.target_time(base)
             if self.has_draft_model:
                 seconds += self.cost.draft_time([ForwardShape(m, m, 0, round(m * sampled))])
             marginal.append(seconds)
@@ -433,6 +427,13 @@ def _target_shape_of(seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape) -
         attended += (1 + k) * (s.num_tokens + k)
         sampled += (1 + k) * _sampled(s)
     return ForwardShape(rows, len(seqs) + prefill.seqs, attended, sampled)
+
+
+def _plus(a: ForwardShape, b: ForwardShape) -> ForwardShape:
+    """The shape of ``a`` with ``b``'s rows, sequences, attention and sampled rows added."""
+    return ForwardShape(
+        a.rows + b.rows, a.seqs + b.seqs, a.attended + b.attended, a.sampled + b.sampled
+    )
 
 
 def _sampled(seq: Sequence) -> int:
