@@ -128,11 +128,6 @@ class EngineConfig:
             "token trees (--spec-tree-max-nodes > 0) need a proposer (draft_model or ngram)",
         )
         check(
-            self.spec_tree_max_nodes == 0 or self.speculative_policy == "fixed",
-            "token trees are drafted by the fixed policy for now: add --speculative-policy fixed "
-            "(the adaptive policy prices chains only)",
-        )
-        check(
             self.draft_vocab_size is None or self.draft_vocab_size >= 0,
             f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}",
         )

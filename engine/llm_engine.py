@@ -37,7 +37,7 @@ from specdec.engine.outputs import (
     append_and_check,
     make_output,
 )
-from specdec.engine.policy_setup import build_policy
+from specdec.engine.policy_setup import build_policy, tree_shape
 from specdec.engine.sampling import RowContext
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler, StepPlan
@@ -58,7 +58,6 @@ from specdec.controller.policy import (
 from specdec.controller.step_cost import ForwardShape
 from specdec.draft_vocab import resolve_draft_vocab
 from specdec.proposers import DraftModelProposer, Drafts, NgramProposer, Proposal, Proposer
-from specdec.tree_proposal import TreeShape
 from specdec.tree_verify import verify_trees
 
 logger = logging.getLogger(__name__)
@@ -171,7 +170,7 @@ class LLMEngine:
                 pruned = draft_model.model.with_output_rows(self.draft_vocab_ids)
                 draft_model = dataclasses.replace(draft_model, model=pruned)
             runner = self._make_runner(draft_model, list(DRAFT_Q_LENS))
-            shape = TreeShape(config.spec_tree_growth, config.spec_tree_branching)
+            shape = tree_shape(config)
             self.proposer = DraftModelProposer(runner, self.sampling_kernels, shape)
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.ngram_n_min, config.ngram_n_max)
@@ -476,8 +475,8 @@ class LLMEngine:
                     tree = () if path is None else (s.num_spec_tokens, path.ranks)
                     seq.spec_stats.record(drafted, n_acc, kept, *tree)
                     self.spec_stats.record(drafted, n_acc, kept, *tree)
-                conf = proposals[seq.seq_id].confidence if seq.seq_id in proposals else []
-                outcomes.append(SeqOutcome(drafted, n_acc, list(conf)))
+                ranks = None if path is None else list(path.ranks)
+                outcomes.append(SeqOutcome(drafted, n_acc, ranks))
             # Rollback is arithmetic: only committed tokens minus the newest one are computed.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_tokens - 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from specdec.engine.block_allocator import BlockAllocator
@@ -21,6 +22,7 @@ from specdec.engine.model_runner import ModelRunner
 
 from specdec.controller import AdaptivePolicy, FixedPolicy, SpeculationPolicy
 from specdec.controller.policy import INITIAL_ACCEPTANCE
+from specdec.tree_proposal import TreeShape, level_widths
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ def build_policy(
         stop_drafts_early=config.stop_drafts_early,
         has_draft_model=draft is not None,
         max_model_len=max_model_len,
+        tree_nodes=config.spec_tree_max_nodes,
+        tree_widths=partial(level_widths, config.spec_tree_max_nodes, shape=tree_shape(config)),
     )
     if config.controller_warmup:
         # Weight formats and a pruned draft head set the timings as much as the models do: they
@@ -74,6 +78,10 @@ def build_policy(
         table.seed(policy.cost)
         logger.info("speculation policy seeded with %d timed shapes", len(table.samples))
     return policy
+
+
+def tree_shape(config: EngineConfig) -> TreeShape:
+    return TreeShape(config.spec_tree_growth, config.spec_tree_branching)
 
 
 def _with_format(model: str, quantization: str) -> str:

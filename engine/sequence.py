@@ -41,6 +41,9 @@ class SpecStats:
     num_tree_steps: int = 0  # verifies of a token tree (their nodes count as draft tokens)
     num_tree_nodes: int = 0  # nodes those verified
     accepted_per_rank: list[int] = field(default_factory=list)  # [r] accepted r-th siblings
+    # [j] times depth j of a tree was accepted through a runner-up (the first choice rejected):
+    # accepted_per_pos less these counts the draft's first choices alone, as a chain would
+    rescued_per_pos: list[int] = field(default_factory=list)
 
     def record(
         self,
@@ -63,9 +66,12 @@ class SpecStats:
         if tree_nodes:
             self.num_tree_steps += 1
             self.num_tree_nodes += tree_nodes
-            for r in accepted_ranks:
+            for j, r in enumerate(accepted_ranks):
                 _grow(self.accepted_per_rank, r + 1)
                 self.accepted_per_rank[r] += 1
+                if r:
+                    _grow(self.rescued_per_pos, j + 1)
+                    self.rescued_per_pos[j] += 1
         need = num_drafted - len(self.drafted_per_pos)
         if need > 0:
             self.drafted_per_pos.extend([0] * need)
@@ -91,10 +97,16 @@ class SpecStats:
             (self.accepted_per_pos, other.accepted_per_pos),
             (self.judged_per_pos, other.judged_per_pos),
             (self.accepted_per_rank, other.accepted_per_rank),
+            (self.rescued_per_pos, other.rescued_per_pos),
         ):
             _grow(mine, len(theirs))
             for j, v in enumerate(theirs):
                 mine[j] += v
+
+    def first_choices_per_pos(self) -> list[int]:
+        """[j] times position j held with the draft's first choice (a tree's rescues left out)."""
+        rescued = self.rescued_per_pos + [0] * len(self.accepted_per_pos)
+        return [a - r for a, r in zip(self.accepted_per_pos, rescued, strict=False)]
 
     @property
     def acceptance_rate(self) -> float:

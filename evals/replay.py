@@ -347,6 +347,7 @@ PolicyFactory = Callable[[ReplayEngine], SpeculationPolicy]
 class Policy:
     name: str
     make: PolicyFactory | None = None
+    tree_nodes: int = 0  # the engine's --spec-tree-max-nodes (its own policy prices such trees)
 
 
 @dataclass(frozen=True)
@@ -359,7 +360,7 @@ class EngineShape:
     max_num_batched_tokens: int = 512
     max_model_len: int = REPLAY_MAX_MODEL_LEN
 
-    def config(self, warmup: bool) -> EngineConfig:
+    def config(self, warmup: bool, tree_nodes: int = 0) -> EngineConfig:
         return EngineConfig(
             model="replay-target",
             draft_model="replay-draft",
@@ -373,6 +374,7 @@ class EngineShape:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             controller_warmup=warmup,
+            spec_tree_max_nodes=tree_nodes,
         )
 
 
@@ -416,7 +418,8 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
     """Run ``workload`` under ``policy``; returns (PolicyResult, the engine)."""
     clock = SimClock(workload.slowdowns, workload.stalls, workload.stall_seconds)
     book = {r.request_id: r for r in workload.requests}
-    engine = ReplayEngine(shape.config(warmup=policy.make is None), book, costs, clock)
+    config = shape.config(warmup=policy.make is None, tree_nodes=policy.tree_nodes)
+    engine = ReplayEngine(config, book, costs, clock)
     if policy.make is not None:
         engine.policy = policy.make(engine)
     clock.reset()  # start-up calibration ran on the clock: requests start at zero
@@ -567,7 +570,7 @@ TREE_POLICIES = {"tree_n8": (8, 4), "tree_n16": (16, 5)}
 
 def default_policies() -> list[Policy]:
     """plain, fixed_k1..fixed_k6, tree_n8 and tree_n16, adaptive (the engine's own policy),
-    oracle."""
+    adaptive_trees (the same with trees of 16 nodes to price), oracle."""
     policies = [Policy("plain", lambda e: FixedPolicy(0))]
     policies += [Policy(f"fixed_k{k}", lambda e, k=k: FixedPolicy(k)) for k in range(1, MAX_K + 1)]
     policies += [
@@ -575,5 +578,6 @@ def default_policies() -> list[Policy]:
         for name, (n, k) in TREE_POLICIES.items()
     ]
     policies.append(Policy("adaptive"))
+    policies.append(Policy("adaptive_trees", tree_nodes=16))
     policies.append(Policy("oracle", lambda e: OraclePolicy(e.book, e.costs, MAX_K)))
     return policies

@@ -26,9 +26,6 @@ class Proposal:
     # [len(token_ids), vocab] distribution each was drawn from; None when verification does not
     # read it (q one-hot, or a greedy or seeded request, verified by the coupling)
     probs: torch.Tensor | None
-    # the draft's probability of each token (greedy: of its argmax, at temperature 1); empty
-    # for a proposer without a distribution, or when no stop rule asked for them
-    confidence: list[float] = field(default_factory=list)
     # a token tree instead of a chain (``token_ids`` are then its nodes, breadth-first)
     tree: DraftTree | None = None
 
@@ -177,9 +174,9 @@ class DraftModelProposer:
             elif it.seq.params.greedy or it.seq.params.seed is not None:
                 # q is unused: greedy and seeded drafts are verified by the coupling, which
                 # compares each draft with the target's own pick.
-                out.append(Proposal(tokens[i], None, confidence[i]))
+                out.append(Proposal(tokens[i], None))
             else:
-                out.append(Proposal(tokens[i], torch.stack(probs[i]), confidence[i]))
+                out.append(Proposal(tokens[i], torch.stack(probs[i])))
         return Drafts(out, forwards)
 
     def _draw_chain_tokens(

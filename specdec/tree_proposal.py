@@ -37,6 +37,22 @@ class TreeShape:
     branching: int = 2
 
 
+def level_widths(max_nodes: int, depth: int, shape: TreeShape) -> list[int]:
+    """Nodes per level of a tree at most ``depth`` levels deep and ``max_nodes`` nodes, as
+    ``GrowingTree`` grows it where the draft offers enough distinct tokens."""
+    widths: list[int] = []
+    if shape.growth == "static":
+        while (
+            len(widths) < depth and sum(widths) + shape.branching ** (len(widths) + 1) <= max_nodes
+        ):
+            widths.append(shape.branching ** (len(widths) + 1))
+        return widths
+    width = math.ceil(max_nodes / depth) if depth > 0 else 0
+    while len(widths) < depth and sum(widths) < max_nodes:
+        widths.append(min(width, max_nodes - sum(widths)))
+    return widths
+
+
 class GrowingTree:
     """One sequence's tree while the draft grows it."""
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import Sequence
 
 from specdec.controller.estimates import (
     AcceptanceModel,
-    ConfidenceBins,
-    calibrated,
+    RescueModel,
     expected_tokens_table,
 )
 from specdec.controller.policy import (
@@ -23,10 +23,12 @@ from specdec.controller.policy import (
     SeqOutcome,
     SpecDecision,
     StepObservation,
+    _Candidate,
     draft_value,
     drafts_to_continue,
 )
 from specdec.controller.step_cost import ForwardShape, StepCostModel
+from specdec.tree_proposal import GrowingTree, TreeShape, level_widths
 
 
 def make_seqs(n: int, mode: str = "auto", context: int = 64) -> list[Sequence]:
@@ -67,18 +69,6 @@ def test_sequence_estimate_shrinks_towards_engine_wide():
     assert prior > few[0] > many[0]
     assert many[0] < 0.1  # a long, distinct request follows its own numbers
     assert few[0] > 0.5  # two unlucky verifies move it little
-
-
-def test_confidence_bins_separate_sure_from_unsure_drafts():
-    bins = ConfidenceBins(initial=0.7)
-    rng = random.Random(1)
-    for _ in range(3000):
-        sure = rng.random() < 0.5
-        conf = 0.97 if sure else 0.3
-        bins.observe([conf], int(rng.random() < (0.98 if sure else 0.4)))
-    table = bins.table()
-    assert calibrated(table, 0.97) == pytest.approx(0.98, abs=0.04)
-    assert calibrated(table, 0.3) == pytest.approx(0.4, abs=0.06)
 
 
 def _machine(rows: int, seqs: int, attended: int = 0) -> float:
@@ -238,7 +228,8 @@ def test_a_lagging_draft_is_charged_the_seconds_of_its_catch_up_spread_over_its_
 
     def step_seconds(lag: int) -> float:
         seqs[0].num_draft_computed_tokens = 1024 - lag
-        return policy._step(seqs, [1], PrefillShape())[0]
+        drafting_k1 = _Candidate(1, 1.0, 0.0, 0.0, pinned=[0], drafting=[0])
+        return policy._step(seqs, drafting_k1, PrefillShape())[0]
 
     lag_forward = policy.cost.draft_time([ForwardShape(1000, 1)])
     kept_pace = policy.cost.draft_time([ForwardShape(2, 1)])
@@ -255,17 +246,17 @@ def test_decisions_are_a_function_of_their_inputs():
     assert trace(5) == trace(5)
 
 
-def test_draft_value_follows_calibrated_reach():
-    table = ((0.5,), (0.3, 0.95))  # below 0.5: 30% accepted; above: 95%
-    stop = DraftStop(table, (0.8, 0.8, 0.8), goodput=10.0, marginal_seconds=(0.1,))
-    assert draft_value([0.9, 0.9], 2, stop) == pytest.approx(0.95**2 * 0.8)
-    assert draft_value([0.9, 0.2], 2, stop) == pytest.approx(0.95 * 0.3 * 0.8)
+def test_draft_value_is_the_chance_the_drafts_so_far_hold_times_the_next_ones():
+    stop = DraftStop((0.8, 0.8, 0.8), goodput=10.0, marginal_seconds=(0.1,))
+    assert draft_value([0.9, 0.9], 2, stop) == pytest.approx(0.9**2 * 0.8)
+    assert draft_value([0.9, 0.2], 2, stop) == pytest.approx(0.9 * 0.2 * 0.8)
+    assert draft_value([], 0, stop) == pytest.approx(0.8)
 
 
 def test_a_draft_forward_runs_only_if_the_sequences_in_it_pay_for_it_together():
     # One more position: a 0.1 s draft forward whatever its rows, plus 1 ms a sequence.
     marginal = tuple(0.1 + 0.001 * m for m in range(1, 9))
-    stop = DraftStop(((0.5,), (0.5, 0.9)), (0.9,) * 6, goodput=10.0, marginal_seconds=marginal)
+    stop = DraftStop((0.9,) * 6, goodput=10.0, marginal_seconds=marginal)
     assert drafts_to_continue([0.9], 0, stop) == 0  # 0.9 tokens < 10 tok/s * 0.101 s
     assert drafts_to_continue([0.9] * 8, 0, stop) == 8  # 7.2 tokens > 10 * 0.108
     assert drafts_to_continue([0.9, 0.9, 0.005], 0, stop) == 2  # the unsure one is not worth 1 ms
@@ -290,7 +281,7 @@ def test_the_proposer_never_drafts_past_the_chosen_k():
 
     target = tiny_hf_model(seed=0)
     engine = make_engine(target, noisy_copy(target, 0.01), num_speculative_tokens=6)
-    stop = DraftStop(((0.5,), (0.99, 0.99)), (0.99,) * 6, 0.0, (0.0,))  # always go on
+    stop = DraftStop((0.99,) * 6, 0.0, (0.0,))  # always go on
 
     class CapAtTwo:
         def decide(self, seqs, prefill):
@@ -305,3 +296,100 @@ def test_the_proposer_never_drafts_past_the_chosen_k():
     engine.policy = CapAtTwo()
     out = engine.generate([[3, 4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert len(out.spec_stats.drafted_per_pos) == 2
+
+
+# ---- token trees ------------------------------------------------------------------------------
+
+
+class _Prices(StepCostModel):
+    """Fixed prices: a target forward costs ``base`` plus ``per_row`` a row, a draft forward
+    ``draft`` seconds; nothing is learned."""
+
+    def __init__(self, per_row: float, base: float = 0.1, draft: float = 0.005) -> None:
+        super().__init__()
+        self.per_row, self.base, self.draft = per_row, base, draft
+
+    def target_time(self, shape: ForwardShape) -> float:
+        return self.base + self.per_row * shape.rows
+
+    def draft_time(self, forwards) -> float:
+        return self.draft * len(forwards)
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def _tree_policy(per_row: float, acceptance: float = 0.6, rescue: float = 0.8) -> AdaptivePolicy:
+    """Trees of 16 nodes (dynamic growth), chain acceptance ``acceptance`` and rescue rate
+    ``rescue`` at every depth, learned from many verifies."""
+    policy = AdaptivePolicy(
+        4, initial_acceptance=acceptance, cost=_Prices(per_row), stop_drafts_early=False,
+        tree_nodes=16, tree_widths=lambda k: level_widths(16, k, TreeShape()),
+    )  # fmt: skip
+    for _ in range(100):
+        for depth in range(4):
+            policy.rescue.observe(4, [0] * depth + [1])  # a runner-up held at this depth
+            for _ in range(round(10 * (1 - rescue) / rescue)):
+                policy.rescue.observe(4, [0] * depth)  # none held here
+    return policy
+
+
+def test_rescue_model_learns_and_prices_a_tree_per_depth():
+    model = RescueModel(3)
+    for _ in range(500):
+        model.observe(3, [0, 2])  # depth 0 first choice, depth 1 a runner-up, depth 2 rejected
+    rates = model.tree_rates([0.9, 0.5, 0.5], widths=[4, 4, 4])
+    # No trial at depth 0: a runner-up is taken to hold as often as the first choice.
+    assert rates[0] == pytest.approx(0.9 + 0.1 * 0.9)
+    assert rates[1] == pytest.approx(0.5 + 0.5 * 1.0, abs=0.025)  # always rescued at depth 1
+    assert rates[2] == pytest.approx(0.5, abs=0.025)  # never rescued at depth 2
+    assert model.tree_rates([0.9, 0.5], widths=[4, 1])[1] == 0.5  # one node: no runner-up
+
+
+def test_adaptive_prices_trees_against_chains_by_their_rows_and_rescues():
+    seqs = make_seqs(1)
+    tree = _tree_policy(per_row=0.001).decide(seqs, PrefillShape())
+    assert tree.tree_nodes == [16] and tree.stop is None
+    dear = _tree_policy(per_row=0.02).decide(seqs, PrefillShape())
+    assert dear.tree_nodes is None and dear.ks[0] > 0  # a chain: 16 rows cost more than they add
+    rare = _tree_policy(per_row=0.001, rescue=0.05).decide(seqs, PrefillShape())
+    assert rare.tree_nodes is None and rare.ks[0] > 0  # runners-up seldom hold: not worth rows
+
+
+def test_adaptive_trees_shrink_to_chains_then_plain_as_the_batch_grows():
+    """Rows that cost little one at a time add up: the same prices draft a tree for one
+    sequence, chains for eight and nothing for a large batch."""
+    chosen = {}
+    for n in (1, 8, 64):
+        d = _tree_policy(per_row=0.002).decide(make_seqs(n), PrefillShape())
+        chosen[n] = (
+            "tree" if d.tree_nodes and any(d.tree_nodes) else "chain" if any(d.ks) else "plain"
+        )
+    assert chosen == {1: "tree", 8: "chain", 64: "plain"}
+
+
+def test_a_tree_verify_teaches_chain_acceptance_its_first_choices_only():
+    policy = _tree_policy(per_row=0.001)
+    before = policy.acceptance.rates()[1]
+    outcome = SeqOutcome(4, 4, tree_ranks=[0, 1, 1, 0])  # four accepted, two by runners-up
+    for _ in range(50):
+        policy.observe(StepObservation(ForwardShape(17, 1), 0.1, [], 0.0, [outcome]))
+    rates = policy.acceptance.rates()
+    assert rates[0] > 0.9 and rates[1] < before  # depth 1's first choice kept failing
+
+
+@pytest.mark.parametrize("growth, branching", [("dynamic", 2), ("static", 2), ("static", 3)])
+@pytest.mark.parametrize("nodes, depth", [(8, 4), (16, 5), (16, 2), (3, 4)])
+def test_level_widths_are_the_levels_a_tree_grows(growth, branching, nodes, depth):
+    shape = TreeShape(growth, branching)
+    seq = make_seqs(1)[0]
+    seq.params = SamplingParams(temperature=0.0)
+    tree = GrowingTree(seq, depth, nodes, 50, shape)
+    gen = torch.Generator().manual_seed(0)
+    frontier = 1
+    while not tree.done:
+        tree.grow(torch.randn(frontier, 50, generator=gen), None)
+        frontier = len(tree._level)
+    depths = tree.tree.depths
+    grown = [sum(1 for d in depths if d == level) for level in range(1, depth + 1)]
+    assert level_widths(nodes, depth, shape) == [w for w in grown if w]

@@ -218,7 +218,8 @@ def test_suite_is_deterministic_and_has_the_required_shape(tmp_path):
 def test_default_suite_names_every_policy_and_scenario():
     names = [p.name for p in default_policies()]
     assert names == [
-        "plain", *[f"fixed_k{k}" for k in range(1, 7)], "tree_n8", "tree_n16", "adaptive", "oracle"
+        "plain", *[f"fixed_k{k}" for k in range(1, 7)], "tree_n8", "tree_n16", "adaptive",
+        "adaptive_trees", "oracle",
     ]  # fmt: skip
     scenario_names = [s.name for s in default_scenarios()]
     for c in (1, 2, 4, 8, 16, 32, 64):

@@ -13,6 +13,8 @@ from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import expected, prompts, run_staggered
 from tiny_models import make_engine
 
+from specdec.controller.step_cost import StepCostModel
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -113,6 +115,34 @@ def test_tree_usage_reports_nodes_and_ranks(target, noisy_draft):
     assert sum(stats["accepted_per_rank"]) == out.spec_stats.num_accepted_tokens
 
 
+def test_adaptive_trees_equal_plain_decode_and_return_every_block(target, noisy_draft):
+    """The adaptive policy with trees on: its per-step mix of trees, chains and plain decode
+    commits plain decode's tokens. The draft here is the target's size, so the policy is given
+    prices of a small draft and near-free verify rows, where trees pay."""
+
+    class SmallDraftPrices(StepCostModel):
+        def target_time(self, shape):
+            return 1.0 + 0.001 * shape.rows
+
+        def draft_time(self, forwards):
+            return 0.01 * len(forwards)
+
+        def observe(self, *args):
+            pass
+
+    engine = tree_engine(
+        target, noisy_draft, speculative_policy="adaptive", speculative_mode="auto",
+        max_num_batched_tokens=40,
+    )  # fmt: skip
+    engine.policy.cost = SmallDraftPrices()
+    free0 = engine.allocator.num_free_blocks
+    ps = prompts()
+    assert run_staggered(engine, ps) == expected(target, ps)
+    assert engine.spec_stats.num_tree_steps > 0
+    assert engine.policy.rescue.version > 0  # the tree verifies taught the rescue rates
+    assert engine.allocator.num_free_blocks == free0
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -120,7 +150,6 @@ def test_tree_usage_reports_nodes_and_ranks(target, noisy_draft):
         (dict(spec_tree_max_nodes=65), "spec_tree_max_nodes must be in"),
         (dict(spec_tree_growth="bushy"), "spec_tree_growth must be one of"),
         (dict(spec_tree_branching=0), "spec_tree_branching must be >= 1"),
-        (dict(speculative_policy="adaptive"), "fixed policy for now"),
         (dict(speculative_method="none"), "need a proposer"),
     ],
 )

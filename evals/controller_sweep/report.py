@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import median
 
-ARM_ORDER = ("plain", "fixed-k2", "fixed-k4", "adaptive")
+ARM_ORDER = ("plain", "fixed-k2", "fixed-k4", "adaptive", "adaptive-trees")
 
 
 def _points(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
@@ -35,29 +35,35 @@ TARGETS = {
     "within_5pct_of_best": 0.95,  # A: against the best of plain and fixed k
     "not_3pct_slower_than_plain": 0.97,  # B
     "c1_code_at_least_best_fixed": 1.0,  # C: code at c=1 only, against the best fixed k
+    "trees_within_2pct_of_adaptive": 0.98,  # D: adaptive with trees against adaptive with chains
 }
 _COMPARED_WITH = {
     "within_5pct_of_best": ("plain", "fixed-k2", "fixed-k4"),
     "not_3pct_slower_than_plain": ("plain",),
     "c1_code_at_least_best_fixed": ("fixed-k2", "fixed-k4"),
+    "trees_within_2pct_of_adaptive": ("adaptive",),
 }
+# The arm each target judges (the others judge adaptive).
+_JUDGED = {"trees_within_2pct_of_adaptive": "adaptive-trees"}
 
 
 def _targets_at(workload: str, concurrency: int) -> list[str]:
     names = ["within_5pct_of_best", "not_3pct_slower_than_plain"]
     if workload == "code" and concurrency == 1:
         names.append("c1_code_at_least_best_fixed")
-    return names
+    return names + ["trees_within_2pct_of_adaptive"]
 
 
-def paired_ratios(arms: dict[str, dict], compared_with: tuple[str, ...]) -> list[float]:
-    """Adaptive's throughput over the best of ``compared_with`` (those that ran), round by round.
+def paired_ratios(
+    arms: dict[str, dict], compared_with: tuple[str, ...], judged: str = "adaptive"
+) -> list[float]:
+    """``judged``'s throughput over the best of ``compared_with`` (those that ran), round by round.
 
     The arms of one round served the same requests with their steps interleaved, so a ratio
     within a round is free of the slow drift of a shared machine that the medians across rounds
     still carry. A round an arm did not finish has no ratio.
     """
-    ad = arms.get("adaptive", {}).get("throughput_runs", [])
+    ad = arms.get(judged, {}).get("throughput_runs", [])
     runs = [arms[a].get("throughput_runs", []) for a in compared_with if a in arms]
     if not runs:
         return []
@@ -74,19 +80,18 @@ def check_targets(
     the arms' medians over rounds, which may come from different rounds and so carry the
     machine's drift between them.
     """
-    if "adaptive" not in arms:
-        return {}
     out: dict[str, bool | None] = {}
     for name in _targets_at(workload, concurrency):
+        judged = _JUDGED.get(name, "adaptive")
         compared_with = [a for a in _COMPARED_WITH[name] if a in arms]
-        if not compared_with:
+        if judged not in arms or not compared_with:
             out[name] = None
         elif paired:
-            ratios = paired_ratios(arms, tuple(compared_with))
+            ratios = paired_ratios(arms, tuple(compared_with), judged)
             out[name] = median(ratios) >= TARGETS[name] if ratios else None
         else:
             best = max(arms[a]["throughput_tok_s"] for a in compared_with)
-            out[name] = arms["adaptive"]["throughput_tok_s"] >= TARGETS[name] * best
+            out[name] = arms[judged]["throughput_tok_s"] >= TARGETS[name] * best
     return out
 
 
@@ -125,7 +130,8 @@ def _method(meta: dict) -> str:
         " TPOT = time per output token after the first, median and p99 over the requests of "
         "all runs, in ms. Checks: A = adaptive within 5% of the best arm, B = adaptive not more "
         "than 3% slower than plain, C = (code, c=1) adaptive at least as fast as the best fixed "
-        "k, each judged on the median over rounds of adaptive's throughput over the other arms' "
+        "k, D = adaptive with trees not more than 2% slower than adaptive with chains, each "
+        "judged on the median over rounds of adaptive's throughput over the other arms' "
         "in the same round (checks), and on the arms' medians over rounds, which may come from "
         "different rounds (checks on medians). Per round: adaptive's throughput over the best "
         "other arm's (÷ best) and over plain's (÷ plain) in each round."
@@ -133,7 +139,7 @@ def _method(meta: dict) -> str:
 
 
 def _marks(checks: dict[str, bool | None]) -> str:
-    letters = dict(zip(TARGETS, "ABC", strict=True))
+    letters = dict(zip(TARGETS, "ABCD", strict=True))
     return " ".join(f"{letters[k]}{'✓' if v else '✗'}" for k, v in checks.items() if v is not None)
 
 

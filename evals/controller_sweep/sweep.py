@@ -7,6 +7,8 @@ draft; arms differ only in the policy and the per-request speculation mode:
     fixed-k2   --speculative-policy fixed, k = 2
     fixed-k4   --speculative-policy fixed, k = 4
     adaptive   the adaptive policy, seeded by the step-cost table, learning across the whole run
+    adaptive-trees  the same with token trees of ``--tree-nodes`` nodes to price beside chains
+                    (not run unless asked for)
 
 The arms' engines step in turn (one step each, the order rotating), so every arm meets the same
 spells of a shared machine; each arm is timed by its own steps.
@@ -49,7 +51,8 @@ from specdec.evals.controller_sweep.report import write_markdown, write_plot
 
 logger = logging.getLogger("controller_sweep")
 
-ARMS = ("plain", "fixed-k2", "fixed-k4", "adaptive")
+ARMS = ("plain", "fixed-k2", "fixed-k4", "adaptive", "adaptive-trees")
+DEFAULT_ARMS = ("plain", "fixed-k2", "fixed-k4", "adaptive")
 FIXED_K = {"fixed-k2": 2, "fixed-k4": 4}
 CONCURRENCY = (1, 2, 4, 8, 16)
 OUT_DIR = Path("docs/results/controller")
@@ -227,7 +230,7 @@ class ArmLoop:
         decode_steps = after.num_target_steps - before.num_target_steps
         spec_steps = after.num_spec_steps - before.num_spec_steps
         ctrl_stats = {}
-        if self.arm == "adaptive" and self.engine.policy is not None:
+        if self.arm.startswith("adaptive") and self.engine.policy is not None:
             ctrl_stats = _scalars(self.engine.policy.stats())
         wall, tpots = self.busy_s, self.tpots
         throughput = self.out_tokens / wall if wall > 0 else 0.0
@@ -352,7 +355,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     engines: dict[str, LLMEngine] = {}
     # The adaptive arm's engine first: it loads the models the others share.
     for arm in ("adaptive", *(a for a in args.arms if a != "adaptive")):
-        adaptive = arm == "adaptive"
+        adaptive = arm.startswith("adaptive")
         cfg = EngineConfig(
             **models,
             **common,
@@ -360,6 +363,7 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
             num_speculative_tokens=args.adaptive_max_k if adaptive else FIXED_K.get(arm, 4),
             controller_warmup=adaptive,
             stop_drafts_early=adaptive and args.stop_drafts_early,
+            spec_tree_max_nodes=args.tree_nodes if arm == "adaptive-trees" else 0,
         )
         engine = LLMEngine(cfg, target=target, draft=draft, progress=not args.tiny)
         target, draft = engine.target, engine.draft
@@ -391,7 +395,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["code", "open"])
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(DEFAULT_ARMS))
+    p.add_argument(
+        "--tree-nodes",
+        type=_positive,
+        default=16,
+        help="adaptive-trees arm: nodes per token tree (the engine's --spec-tree-max-nodes)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument(
         "--num-prompts",

@@ -1,25 +1,22 @@
-"""Acceptance estimates: per draft position, engine-wide and per sequence, and by draft confidence.
+"""Acceptance estimates: per draft position, engine-wide and per sequence, and of a tree's depths.
 
 ``a_j`` is the chance that draft j is accepted given that drafts 1..j-1 were; a verify of k
 drafts commits ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` tokens. Engine-wide rates come from
 counts decayed by ``ACCEPTANCE_DECAY`` per verify; a sequence's own counts are shrunk towards
-them with ``PRIOR_STRENGTH`` pseudo-verifies. ``ConfidenceBins`` maps the draft's probability of
-the token it drew to that token's acceptance (docs/controller.md).
+them with ``PRIOR_STRENGTH`` pseudo-verifies. A tree's depth j holds with ``a_j + (1 - a_j) s_j``
+(``RescueModel``: a runner-up's chance where the first choice fails); docs/controller.md.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 
 # About 100 verifies: averages out per-step luck, follows a new workload within a few requests.
 ACCEPTANCE_DECAY = 0.99
 # Pseudo-verifies behind every prior (the initial guess, the engine-wide rates a sequence is
-# shrunk towards, the pooled rate behind each confidence bin): requests of one workload differ by
+# shrunk towards, a runner-up's chance before any tree ran): requests of one workload differ by
 # little more than binomial noise over a few verifies, which this many outweighs.
 PRIOR_STRENGTH = 8.0
-# Upper edges of the confidence bins, dense near 1 where a draft model's confidences crowd.
-CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 
 
 def expected_tokens_table(acceptance: Sequence[float]) -> list[float]:
@@ -93,37 +90,27 @@ class AcceptanceModel:
         return rates
 
 
-class ConfidenceBins:
-    """Acceptance of a drawn draft token as a function of the draft's probability of it."""
+class RescueModel:
+    """``s_j`` per tree depth: among verifies that reached depth j and rejected the draft's first
+    choice there, the share that accepted a runner-up. Before evidence a runner-up is taken to
+    hold as often as the first choice does there (``PRIOR_STRENGTH`` pseudo-trials at a_j)."""
 
-    def __init__(self, initial: float) -> None:
-        self.pooled_hits = PRIOR_STRENGTH * initial
-        self.pooled_n = PRIOR_STRENGTH
-        self.hits = [0.0] * (len(CONFIDENCE_EDGES) + 1)
-        self.judged = [0.0] * (len(CONFIDENCE_EDGES) + 1)
+    def __init__(self, depth: int) -> None:
+        self.hits = [0.0] * depth
+        self.trials = [0.0] * depth
+        self.version = 0
 
-    def observe(self, confidences: Sequence[float], num_accepted: int) -> None:
-        """The confidences of one verify's drafts; the judged ones update their bins."""
-        judged = judged_positions(len(confidences), num_accepted)
-        for j in range(judged):
-            b = bisect_right(CONFIDENCE_EDGES, confidences[j])
-            hit = 1.0 if j < num_accepted else 0.0
-            self.hits[b] = ACCEPTANCE_DECAY * self.hits[b] + hit
-            self.judged[b] = ACCEPTANCE_DECAY * self.judged[b] + 1.0
-            self.pooled_hits = ACCEPTANCE_DECAY * self.pooled_hits + hit
-            self.pooled_n = ACCEPTANCE_DECAY * self.pooled_n + 1.0
+    def observe(self, depth: int, ranks: Sequence[int]) -> None:
+        """One tree verify: ``depth`` levels, the sibling rank of each accepted node."""
+        for j in range(min(len(ranks) + 1, depth, len(self.hits))):
+            if j == len(ranks) or ranks[j] > 0:  # a runner-up was needed: did one hold?
+                self.hits[j] = ACCEPTANCE_DECAY * self.hits[j] + (j < len(ranks))
+                self.trials[j] = ACCEPTANCE_DECAY * self.trials[j] + 1.0
+        self.version += 1
 
-    def table(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(bin upper edges, acceptance per bin): plain data a proposer can apply."""
-        pooled = self.pooled_hits / self.pooled_n
-        rates = tuple(
-            (h + PRIOR_STRENGTH * pooled) / (n + PRIOR_STRENGTH)
-            for h, n in zip(self.hits, self.judged, strict=True)
-        )
-        return CONFIDENCE_EDGES, rates
-
-
-def calibrated(table: tuple[Sequence[float], Sequence[float]], confidence: float) -> float:
-    """Acceptance of a token drawn with ``confidence``, read off a ``ConfidenceBins.table()``."""
-    edges, rates = table
-    return rates[bisect_right(edges, confidence)]
+    def tree_rates(self, chain: Sequence[float], widths: Sequence[int]) -> list[float]:
+        """A tree's per-depth rates from the chain's, where depth j holds ``widths[j]`` nodes."""
+        return [
+            a + (1.0 - a) * (h + PRIOR_STRENGTH * a) / (n + PRIOR_STRENGTH) if w > 1 else a
+            for a, h, n, w in zip(chain, self.hits, self.trials, widths, strict=False)
+        ]

@@ -1,11 +1,9 @@
 """Speculation policies: how many drafts each decode-ready sequence verifies this step.
 
 The adaptive policy picks, among plain decode and "the n sequences of highest E_i(k) draft k"
-for every k and n on a grid, the step of highest predicted goodput::
-
-    G = (sum_i E_i(k_i) + FIRST_TOKEN_WEIGHT * P) / (T_target + T_draft)
-
-with ``E_i`` from ``estimates``, ``P`` the prompt chunks riding in the step, and the times from
+(as chains, or as trees of ``tree_nodes`` nodes) for every k and n on a grid, the step of highest
+predicted goodput ``G = (sum_i E_i(k_i) + FIRST_TOKEN_WEIGHT * P) / (T_target + T_draft)``, with
+``E_i`` from ``estimates``, ``P`` the prompt chunks riding in the step, and the times from
 ``step_cost`` for the step's exact shape (draft catch-up included). One hysteresis band
 (``MARGIN``), one exploration rule (``EXPLORE_INTERVAL``, ``EXPLORE_BAND``), and a draft stop
 rule (``drafts_to_continue``) that never drafts past the chosen k. Decisions depend only on what
@@ -15,14 +13,15 @@ decisions. docs/controller.md states the model and the reason for each default.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from specdec.controller.estimates import (
     AcceptanceModel,
-    ConfidenceBins,
-    calibrated,
+    RescueModel,
     expected_tokens_table,
 )
 from specdec.controller.step_cost import ForwardShape, StepCostModel
@@ -52,10 +51,9 @@ class PrefillShape:
 
 @dataclass(frozen=True)
 class DraftStop:
-    """Plain data for ``drafts_to_continue``: confidence calibration, per-position acceptance,
-    the step's goodput, and the seconds one more draft position by m sequences adds (at m - 1)."""
+    """Plain data for ``drafts_to_continue``: per-position acceptance, the step's goodput, and
+    the seconds one more draft position by m sequences adds (at m - 1)."""
 
-    table: tuple[tuple[float, ...], tuple[float, ...]]
     rates: tuple[float, ...]
     goodput: float
     marginal_seconds: tuple[float, ...]
@@ -74,9 +72,9 @@ class SpecDecision:
 class SeqOutcome:
     """What one sequence's verify showed."""
 
-    num_drafted: int
+    num_drafted: int  # a tree's depth
     num_accepted: int
-    confidences: list[float] = field(default_factory=list)
+    tree_ranks: list[int] | None = None  # a tree's: the sibling rank of each accepted node
 
 
 @dataclass
@@ -103,11 +101,9 @@ class SpeculationPolicy(Protocol):
 
 def draft_value(confidences: Seq[float], position: int, stop: DraftStop) -> float:
     """Expected tokens a draft at ``position`` (0-based) adds to a sequence whose drafts so far
-    were drawn with ``confidences``: the chance they all hold, times the position's acceptance."""
-    reach = 1.0
-    for c in confidences:
-        reach *= calibrated(stop.table, c)
-    return reach * stop.rates[min(position, len(stop.rates) - 1)]
+    were drawn with ``confidences`` (the draft's probability of each, taken as its chance to
+    hold): the chance they all hold, times the position's acceptance."""
+    return math.prod(confidences) * stop.rates[min(position, len(stop.rates) - 1)]
 
 
 def drafts_to_continue(values: Seq[float], num_pinned: int, stop: DraftStop) -> int:
@@ -151,21 +147,29 @@ class FixedPolicy:
 
 @dataclass
 class _Candidate:
-    k: int  # draft length of the auto sequences that draft (0: plain)
+    k: int  # draft length (a tree's depth) of the auto sequences that draft (0: plain)
     share: float  # the share of the auto sequences that draft (those of highest E_i(k))
     goodput: float
     seconds: float
     pinned: list[int]  # the k of every sequence before the auto ones that draft are set
     drafting: Seq[int] = ()  # indices of the auto sequences that draft k
+    tree_nodes: int = 0  # the drafting ones grow trees of this many nodes (0: chains)
 
     @property
     def ks(self) -> list[int]:
         drafting = set(self.drafting)
         return [self.k if i in drafting else k for i, k in enumerate(self.pinned)]
 
+    @property
+    def nodes(self) -> list[int]:
+        drafting = set(self.drafting) if self.tree_nodes else set()
+        return [self.tree_nodes if i in drafting else 0 for i in range(len(self.pinned))]
+
 
 class AdaptivePolicy:
-    """Goodput-maximising draft lengths (see the module docstring)."""
+    """Goodput-maximising draft lengths and shapes (see the module docstring). With
+    ``tree_nodes``, a tree of that many nodes whose levels ``tree_widths(k)`` gives is a
+    candidate beside each chain of k >= 2."""
 
     def __init__(
         self,
@@ -175,19 +179,26 @@ class AdaptivePolicy:
         stop_drafts_early: bool = True,
         has_draft_model: bool = True,
         max_model_len: int = 4096,
+        tree_nodes: int = 0,
+        tree_widths: Callable[[int], Seq[int]] | None = None,
     ) -> None:
         self.k_max = k_max
         self.max_model_len = max_model_len
         self.acceptance = AcceptanceModel(k_max, initial_acceptance)
-        self.confidence = ConfidenceBins(initial_acceptance)
+        self.rescue = RescueModel(k_max) if tree_nodes else None
+        self.tree_nodes = tree_nodes
+        self._levels = (
+            {k: tuple(tree_widths(k)) for k in range(2, k_max + 1)} if tree_widths else {}
+        )
         self.cost = cost or StepCostModel()
         self.stop_drafts_early = stop_drafts_early and has_draft_model
         self.has_draft_model = has_draft_model  # a lookup proposer's drafts cost no forwards
-        self._held: tuple[int, float] = (0, 0.0)  # (k, share of the auto sequences drafting)
+        self._held: tuple[int, float, int] = (0, 0.0, 0)  # (k, share drafting, tree nodes)
         self._since_explore = 0
         self._last: list[int] = []
         self._last_goodput = self._last_seconds = 0.0
-        self._table_cache: dict[int, tuple[tuple[int, int], list[float]]] = {}
+        self._table_cache: dict[int, tuple] = {}  # seq_id -> (key, chain E, tree E)
+        self._trees: dict[int, list[float]] = {}
 
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
         auto = [i for i, s in enumerate(seqs) if s.spec_mode == "auto"]
@@ -200,11 +211,7 @@ class AdaptivePolicy:
         decode_only = prefill.seqs == 0
         self._since_explore += decode_only  # decode-only steps since a runner-up last ran
         explore = decode_only and self._since_explore >= EXPLORE_INTERVAL
-        if (
-            held.k == 0
-            and not explore
-            and (not decode_only or self._plain_is_safe(seqs, auto, tables, held, prefill))
-        ):
+        if held.k == 0 and not decode_only:
             self._last, self._last_goodput, self._last_seconds = held.ks, held.goodput, held.seconds
             return SpecDecision(held.ks, None, held.seconds, held.goodput)
         candidates = self._candidates(seqs, auto, tables, pinned, prefill)
@@ -212,82 +219,73 @@ class AdaptivePolicy:
             # A step with prompt chunks weighs their first tokens too and may draft less than the
             # held decision, never more: sequences it would start drafting would pay their
             # draft's catch-up for one step, and only a decode-only step moves the held decision.
-            candidates = [c for c in candidates if c.k <= held.k and c.share <= held.share]
+            candidates = [
+                c
+                for c in candidates
+                if c.k <= held.k and c.share <= held.share and c.tree_nodes <= held.tree_nodes
+            ]
         best = max(candidates, key=lambda c: c.goodput)
         choice = held
         if best.goodput > held.goodput * (1.0 + MARGIN):
             choice = best
             if decode_only:
-                self._held = (best.k, best.share)
+                self._held = (best.k, best.share, best.tree_nodes)
         if explore:
             choice = self._runner_up(seqs, choice, candidates, prefill)
         ks = choice.ks
         self._last, self._last_goodput, self._last_seconds = ks, choice.goodput, choice.seconds
         stop = None
-        if self.stop_drafts_early and any(ks[i] for i in auto):
+        if self.stop_drafts_early and any(ks[i] for i in auto) and not choice.tree_nodes:
             stop = self._draft_stop(seqs, ks, choice, prefill)
-        return SpecDecision(ks, stop, choice.seconds, choice.goodput)
+        nodes = choice.nodes if choice.tree_nodes else None
+        return SpecDecision(ks, stop, choice.seconds, choice.goodput, nodes)
 
     def _tables(self, seqs: Seq[Sequence]) -> dict[int, list[float]]:
-        """E_i(0..k_max) of every sequence that may draft, kept between steps while neither the
-        sequence's counts nor the engine-wide estimate moved (a batch held plain reuses all)."""
-        cache, self._table_cache, out = self._table_cache, {}, {}
-        version = self.acceptance.version
+        """E_i(0..k_max) of every sequence that may draft as chains (returned) and as trees
+        (``_trees``), kept between steps while neither the sequence's counts nor the engine-wide
+        estimates moved (a batch held plain reuses all)."""
+        cache, self._table_cache, out, self._trees = self._table_cache, {}, {}, {}
+        version = (self.acceptance.version, self.rescue.version if self.rescue else 0)
         for i, s in enumerate(seqs):
             if s.spec_mode == "off":
                 continue
             st, key = s.spec_stats, (version, s.spec_stats.num_spec_steps)
             hit = cache.get(s.seq_id)
             if hit is None or hit[0] != key:
-                rates = self.acceptance.seq_rates(st.accepted_per_pos, st.judged_per_pos)
-                hit = (key, expected_tokens_table(rates))
+                rates = self.acceptance.seq_rates(st.first_choices_per_pos(), st.judged_per_pos)
+                trees = [expected_tokens_table(self.rescue.tree_rates(rates, self._levels[k]))[-1]
+                         for k in self._levels] if self.rescue else []  # fmt: skip
+                hit = (key, expected_tokens_table(rates), [0.0, 0.0, *trees])
             self._table_cache[s.seq_id] = hit
-            out[i] = hit[1]
+            out[i], self._trees[i] = hit[1], hit[2]
         return out
 
-    def _plain_is_safe(self, seqs, auto, tables, held: _Candidate, prefill: PrefillShape) -> bool:
-        """True when no candidate could beat the held plain decision by the margin: n drafting
-        sequences add at most the n largest E_i(k_max) - 1, and n rows and an n-row forward."""
-        gains = sorted((tables[i][self.k_max] - 1.0 for i in auto), reverse=True)
-        base = _target_shape_of(seqs, held.ks, prefill)
-        value, bar = held.goodput * held.seconds, held.goodput * (1.0 + MARGIN)
-        total, counts = 0.0, set(_counts(len(gains)))
-        for n, gain in enumerate(gains, start=1):
-            total += gain
-            if n not in counts:
-                continue
-            seconds = self.cost.target_time(_plus(base, ForwardShape(n, 0)))
-            if self.has_draft_model:
-                seconds += self.cost.draft_time([ForwardShape(n, n)])
-            if (value + total) / seconds > bar:
-                return False
-        return True
+    def _widths(self, k: int, tree: bool) -> tuple[int, ...]:
+        """Rows each draft forward after the first feeds per sequence (a chain: one token)."""
+        return self._levels[k][:-1] if tree else (1,) * (k - 1)
 
     def _step(
-        self, seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape, amortize: bool = True
+        self, seqs: Seq[Sequence], c: _Candidate, prefill: PrefillShape, amortize: bool = True
     ) -> tuple[float, float]:
-        """(predicted seconds, committed value) of a step where sequence i drafts ks[i]."""
-        seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill))
-        tables = self._table_cache
+        """(predicted seconds, first-token value) of the step candidate ``c`` runs."""
+        ks, nodes = c.ks, c.nodes
+        rows = [sum(self._levels[k]) if n else k for k, n in zip(ks, nodes, strict=True)]
+        seconds = self.cost.target_time(_target_shape_of(seqs, ks, prefill, rows))
         drafting = []
-        for s, k in ((s, k) for s, k in zip(seqs, ks, strict=True) if k):
-            rows, lag_seconds = self._catch_up(s, tables[s.seq_id][1][min(k, self.k_max)], amortize)
-            drafting.append((k, 1, rows, _sampled(s)))
+        for s, k, n in ((s, k, n) for s, k, n in zip(seqs, ks, nodes, strict=True) if k):
+            table = self._table_cache[s.seq_id][2 if n else 1]
+            catch_up, lag_seconds = self._catch_up(s, table[min(k, self.k_max)], amortize)
+            drafting.append((k, self._widths(k, n > 0), 1, catch_up, _sampled(s)))
             seconds += lag_seconds
         if drafting and self.has_draft_model:
             seconds += self.cost.draft_time(_draft_forwards(drafting))
         return seconds, FIRST_TOKEN_WEIGHT * prefill.seqs
 
-    def _price(self, seqs, ks, prefill, tables, k: int, share: float) -> _Candidate:
-        seconds, value = self._step(seqs, ks, prefill)
-        value += sum(tables[i][k] if i in tables else 1.0 for i, k in enumerate(ks))
-        return _Candidate(k, share, value / seconds, seconds, list(ks))
-
     def _candidates(self, seqs, auto, tables, pinned, prefill) -> list[_Candidate]:
-        """Plain, and for every k the n sequences of highest E_i(k) drafting k, for n on a grid.
-
-        Each candidate adds its drafting sequences' rows, attention and value to the pinned step's
-        as running sums, so pricing one costs two cost-model calls, not a pass over the batch."""
+        """Plain, and for every k (and shape) the n sequences of highest E_i(k) drafting k, for n
+        on a grid. Each candidate adds its drafting sequences' rows, attention and value to the
+        pinned step's as running sums, so pricing one costs two cost-model calls, not a pass
+        over the batch."""
         base = _target_shape_of(seqs, pinned, prefill)
         base_value = FIRST_TOKEN_WEIGHT * prefill.seqs
         on_catch_up, on_sampled, on_lag_seconds = 0, 0, 0.0
@@ -298,38 +296,41 @@ class AdaptivePolicy:
                 on_catch_up, on_lag_seconds = on_catch_up + more_rows, on_lag_seconds + more_seconds
                 on_sampled += _sampled(s)
         num_on = sum(1 for k in pinned if k)
-        on_k = self.k_max if num_on else 0
+        on = (self.k_max, self._widths(self.k_max, False), num_on, on_catch_up, on_sampled)
 
-        def price(k, n, rows, att, samp, value, catch_up, drafts_sampled, lag_seconds):
+        def price(group, rows, att, samp, value, lag_seconds):
             more = ForwardShape(rows, 0, att, samp)
-            seconds = self.cost.target_time(_plus(base, more)) + on_lag_seconds + lag_seconds
-            if (n or num_on) and self.has_draft_model:
-                groups = [(k, n, catch_up, drafts_sampled), (on_k, num_on, on_catch_up, on_sampled)]
-                seconds += self.cost.draft_time(_draft_forwards(groups))
+            seconds = self.cost.target_time(base + more) + on_lag_seconds + lag_seconds
+            if (group[2] or num_on) and self.has_draft_model:
+                seconds += self.cost.draft_time(_draft_forwards([group, on]))
             return seconds, base_value + value
 
-        seconds, value = price(0, 0, 0, 0, 0, 0.0, 0, 0, 0.0)
+        seconds, value = price((0, (), 0, 0, 0), 0, 0, 0, 0.0, 0.0)
         out = [_Candidate(0, 0.0, value / seconds, seconds, pinned)]
-        for k in range(1, self.k_max + 1):
-            order = sorted(auto, key=lambda i: -tables[i][k])
+        shapes = [(k, 0) for k in range(1, self.k_max + 1)]
+        shapes += [(k, self.tree_nodes) for k in self._levels if self.rescue]
+        for k, tree_nodes in shapes:
+            table = self._trees if tree_nodes else tables
+            per_seq = sum(self._levels[k]) if tree_nodes else k
+            order = sorted(auto, key=lambda i: -table[i][k])
             counts = set(_counts(len(order)))
             rows = att = samp = catch_up = drafts_sampled = 0
             value = lag_seconds = 0.0
             for n, i in enumerate(order, start=1):
                 ctx = seqs[i].num_tokens
-                rows += k
-                att += (1 + k) * (ctx + k) - ctx
-                samp += k * _sampled(seqs[i])
+                rows += per_seq
+                att += (1 + per_seq) * (ctx + k) - ctx
+                samp += per_seq * _sampled(seqs[i])
                 drafts_sampled += _sampled(seqs[i])
-                value += tables[i][k] - 1.0
-                more_rows, more_seconds = self._catch_up(seqs[i], tables[i][k])
+                value += table[i][k] - 1.0
+                more_rows, more_seconds = self._catch_up(seqs[i], table[i][k])
                 catch_up, lag_seconds = catch_up + more_rows, lag_seconds + more_seconds
                 if n in counts:
-                    args = (rows, att, samp, value, catch_up, drafts_sampled, lag_seconds)
-                    seconds, total = price(k, n, *args)
-                    out.append(
-                        _Candidate(k, n / len(order), total / seconds, seconds, pinned, order[:n])
-                    )
+                    group = (k, self._widths(k, tree_nodes > 0), n, catch_up, drafts_sampled)
+                    seconds, total = price(group, rows, att, samp, value, lag_seconds)
+                    goodput, share = total / seconds, n / len(order)
+                    drafting = order[:n]
+                    out.append(_Candidate(k, share, goodput, seconds, pinned, drafting, tree_nodes))
         return out
 
     def _catch_up(self, seq: Sequence, expected: float, amortize: bool = True):
@@ -352,14 +353,17 @@ class AdaptivePolicy:
         return _KEPT_PACE, max(0.0, extra) / steps_left
 
     def _evaluate_held(self, seqs, auto, tables, pinned, prefill) -> _Candidate:
-        k, share = self._held
-        ks = list(pinned)
+        k, share, tree_nodes = self._held
         n = round(share * len(auto)) if k else 0
-        for i in sorted(auto, key=lambda i: -tables[i][k])[:n]:
-            ks[i] = k
-        if n == 0:
-            k, share = 0, 0.0
-        return self._price(seqs, ks, prefill, tables, k, share)
+        table = self._trees if tree_nodes else tables
+        drafting = sorted(auto, key=lambda i: -table[i][k])[:n]
+        c = _Candidate(k, share, 0.0, 0.0, pinned, drafting, tree_nodes) if n else None
+        c = c or _Candidate(0, 0.0, 0.0, 0.0, pinned)
+        c.seconds, value = self._step(seqs, c, prefill)
+        value += sum(tables[i][k] if i in tables else 1.0 for i, k in enumerate(pinned))
+        value += sum(table[i][k] - tables[i][0] for i in drafting) if n else 0.0
+        c.goodput = value / c.seconds
+        return c
 
     def _runner_up(
         self, seqs, choice: _Candidate, candidates: list[_Candidate], prefill: PrefillShape
@@ -369,10 +373,11 @@ class AdaptivePolicy:
         then the exploration clock restarts); else the choice."""
 
         def trial_goodput(c: _Candidate) -> float:
-            seconds, _ = self._step(seqs, c.ks, prefill, amortize=False)
+            seconds, _ = self._step(seqs, c, prefill, amortize=False)
             return c.goodput * c.seconds / seconds
 
-        trials = [(trial_goodput(c), c) for c in candidates if c.k != choice.k]
+        shape = (choice.k, choice.tree_nodes)
+        trials = [(trial_goodput(c), c) for c in candidates if (c.k, c.tree_nodes) != shape]
         if not trials:
             return choice
         goodput, runner_up = max(trials, key=lambda t: t[0])
@@ -393,19 +398,23 @@ class AdaptivePolicy:
         marginal = []
         for m in range(1, len(drafting) + 1):
             more = ForwardShape(m, 0, m * context, round(m * sampled))
-            seconds = self.cost.target_time(_plus(base, more)) - self.cost.target_time(base)
+            seconds = self.cost.target_time(base + more) - self.cost.target_time(base)
             if self.has_draft_model:
                 seconds += self.cost.draft_time([ForwardShape(m, m, 0, round(m * sampled))])
             marginal.append(seconds)
         rates = tuple(self.acceptance.rates())
-        return DraftStop(self.confidence.table(), rates, choice.goodput, tuple(marginal))
+        return DraftStop(rates, choice.goodput, tuple(marginal))
 
     def observe(self, obs: StepObservation) -> None:
         for o in obs.outcomes:
-            if o.num_drafted:
+            if o.tree_ranks is not None and o.num_drafted:
+                # The chain's estimate reads the tree's leading run of first choices.
+                first = next((j for j, r in enumerate(o.tree_ranks) if r), len(o.tree_ranks))
+                self.acceptance.observe(o.num_drafted, first)
+                if self.rescue is not None:
+                    self.rescue.observe(o.num_drafted, o.tree_ranks)
+            elif o.num_drafted:
                 self.acceptance.observe(o.num_drafted, o.num_accepted)
-                if o.confidences:
-                    self.confidence.observe(o.confidences, o.num_accepted)
         self.cost.observe(obs.target, obs.target_seconds, obs.draft_forwards, obs.draft_seconds)
 
     def stats(self) -> dict:
@@ -419,21 +428,17 @@ class AdaptivePolicy:
         }
 
 
-def _target_shape_of(seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape) -> ForwardShape:
-    """The target forward of a step: sequence i verifies ks[i] drafts, beside ``prefill``."""
-    rows, attended, sampled = prefill.rows, prefill.attended, 0
-    for s, k in zip(seqs, ks, strict=True):
-        rows += 1 + k
-        attended += (1 + k) * (s.num_tokens + k)
-        sampled += (1 + k) * _sampled(s)
-    return ForwardShape(rows, len(seqs) + prefill.seqs, attended, sampled)
-
-
-def _plus(a: ForwardShape, b: ForwardShape) -> ForwardShape:
-    """The shape of ``a`` with ``b``'s rows, sequences, attention and sampled rows added."""
-    return ForwardShape(
-        a.rows + b.rows, a.seqs + b.seqs, a.attended + b.attended, a.sampled + b.sampled
-    )
+def _target_shape_of(
+    seqs: Seq[Sequence], ks: Seq[int], prefill: PrefillShape, rows: Seq[int] | None = None
+) -> ForwardShape:
+    """The target forward of a step: sequence i verifies ks[i] drafts (``rows[i]`` rows when a
+    tree ks[i] deep), beside ``prefill``."""
+    total, attended, sampled = prefill.rows, prefill.attended, 0
+    for s, k, r in zip(seqs, ks, rows or ks, strict=True):
+        total += 1 + r
+        attended += (1 + r) * (s.num_tokens + k)
+        sampled += (1 + r) * _sampled(s)
+    return ForwardShape(total, len(seqs) + prefill.seqs, attended, sampled)
 
 
 def _sampled(seq: Sequence) -> int:
@@ -441,16 +446,18 @@ def _sampled(seq: Sequence) -> int:
     return 0 if seq.params.greedy else 1
 
 
-def _draft_forwards(groups: Seq[tuple[int, int, int, int]]) -> list[ForwardShape]:
-    """The draft forwards of groups of drafting sequences (k, sequences, catch-up rows, sampled
-    sequences): forward 0 feeds every group its catch-up; forward f > 0 one token to each
-    sequence of the groups drafting more than f tokens."""
-    groups = [g for g in groups if g[0] and g[1]]
-    rows, seqs, sampled = (sum(g[i] for g in groups) for i in (2, 1, 3))
+def _draft_forwards(groups: Seq[tuple[int, Seq[int], int, int, int]]) -> list[ForwardShape]:
+    """The draft forwards of groups of drafting sequences (k, rows each sequence feeds forwards
+    1.. (a chain one token, a tree a level), sequences, catch-up rows, sampled sequences):
+    forward 0 feeds every group its catch-up, forward f > 0 each sequence's f-th rows."""
+    groups = [g for g in groups if g[0] and g[2]]
+    rows, seqs, sampled = (sum(g[i] for g in groups) for i in (3, 2, 4))
     forwards = [ForwardShape(rows, seqs, 0, sampled)]
-    for f in range(1, max(g[0] for g in groups)):
-        n = sum(g[1] for g in groups if g[0] > f)
-        forwards.append(ForwardShape(n, n, 0, sum(g[3] for g in groups if g[0] > f)))
+    for f in range(1, max((len(g[1]) for g in groups), default=0) + 1):
+        live = [(g[2], g[4], g[1][f - 1]) for g in groups if len(g[1]) >= f]
+        rows, seqs, sampled = (sum(n * w for n, _, w in live), sum(n for n, _, _ in live),
+                               sum(m * w for _, m, w in live))  # fmt: skip
+        forwards.append(ForwardShape(rows, seqs, 0, sampled))
     return forwards
 
 

@@ -13,7 +13,7 @@ import statistics
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 from scipy.optimize import nnls
@@ -37,6 +37,9 @@ class ForwardShape:
     seqs: int
     attended: int = 0
     sampled: int = 0
+
+    def __add__(self, other: ForwardShape) -> ForwardShape:
+        return ForwardShape(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def _knot(rows: int) -> tuple[int, float]:
