@@ -12,7 +12,7 @@ from specdec.evals.controller_sweep import sweep as bench
 from specdec.evals.controller_sweep.report import check_targets, merge_results, round_ratios
 from specdec.evals.controller_sweep.report import main as report_main
 from specdec.evals.controller_sweep.sweep import (
-    ARMS,
+    DEFAULT_ARMS,
     ArmResult,
     main,
     merge_runs,
@@ -201,7 +201,8 @@ def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert data["meta"]["repeats"] == 2
     rows = data["results"]
-    assert sorted(r["arm"] for r in rows) == sorted(ARMS)
+    assert sorted(r["arm"] for r in rows) == sorted(DEFAULT_ARMS)
+    assert data["meta"]["environment"]["cpu"] and data["meta"]["commit"]
     for r in rows:
         assert len(r["throughput_runs"]) == 2
         assert r["num_requests"] == 2 * 4  # max(c, 4) prompts per run
@@ -212,6 +213,24 @@ def test_tiny_sweep_writes_one_row_per_arm_with_every_repeat(tmp_path) -> None:
     md = (tmp_path / "sweep.md").read_text()
     assert "| 1 |" in md and "checks" in md and "per round" in md
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_the_adaptive_trees_arm_is_judged_against_adaptive(tmp_path) -> None:
+    argv = ["--tiny", "--quick", "--concurrency", "1", "--workloads", "code", "--repeats", "1"]
+    argv += ["--arms", "adaptive", "adaptive-trees", "--tree-nodes", "8"]
+    assert main([*argv, "--out-dir", str(tmp_path), "--name", "sweep"]) == 0
+    rows = json.loads((tmp_path / "sweep.json").read_text())["results"]
+    assert sorted(r["arm"] for r in rows) == ["adaptive", "adaptive-trees"]
+    assert all("tree_steps" in r for r in rows)
+    assert all(r["tree_steps"] == 0 for r in rows if r["arm"] == "adaptive")
+    assert " D" in (tmp_path / "sweep.md").read_text()  # check D: trees against chains
+
+
+def test_check_d_compares_adaptive_trees_with_adaptive_round_by_round() -> None:
+    arms = _arms(adaptive=[10.0, 10.0], **{"adaptive-trees": [9.9, 9.7]})
+    assert check_targets("code", 8, arms)["trees_within_2pct_of_adaptive"] is True
+    arms = _arms(adaptive=[10.0, 10.0], **{"adaptive-trees": [9.7, 9.7]})
+    assert check_targets("code", 8, arms)["trees_within_2pct_of_adaptive"] is False
 
 
 def _part(

@@ -84,7 +84,9 @@ def check_targets(
     for name in _targets_at(workload, concurrency):
         judged = _JUDGED.get(name, "adaptive")
         compared_with = [a for a in _COMPARED_WITH[name] if a in arms]
-        if judged not in arms or not compared_with:
+        if judged not in arms:
+            continue
+        if not compared_with:
             out[name] = None
         elif paired:
             ratios = paired_ratios(arms, tuple(compared_with), judged)
@@ -143,13 +145,25 @@ def _marks(checks: dict[str, bool | None]) -> str:
     return " ".join(f"{letters[k]}{'✓' if v else '✗'}" for k, v in checks.items() if v is not None)
 
 
+def _machine(meta: dict) -> str:
+    """Commit, CPU, threads and weight format, where the run recorded them."""
+    env = meta.get("environment")
+    if not env:
+        return ""
+    return (
+        f" Commit {meta.get('commit', 'unknown')}; {env['cpu']}, {env['torch_threads']} threads, "
+        f"{meta.get('dtype', '?')} weights."
+    )
+
+
 def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [
         "# Adaptive speculation controller: benchmark",
         "",
         f"Command: `{meta['command']}`  ",
         f"Target `{meta['model']}`, draft `{meta['draft_model']}`, {meta['max_tokens']} output "
-        f"tokens per request (EOS ignored), total run {meta['total_seconds']:.0f} s.",
+        f"tokens per request (EOS ignored), total run {meta['total_seconds']:.0f} s."
+        + _machine(meta),
         "",
         _method(meta),
         "",

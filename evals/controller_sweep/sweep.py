@@ -48,6 +48,7 @@ from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpecStats
 from specdec.evals.controller_sweep.report import write_markdown, write_plot
+from specdec.evals.environment import environment_info, git_commit
 
 logger = logging.getLogger("controller_sweep")
 
@@ -115,6 +116,7 @@ class ArmResult:
     num_accepted: int = 0
     decode_steps: int = 0
     spec_steps: int = 0
+    tree_steps: int = 0  # verifies of a token tree
     controller: dict = field(default_factory=dict)
     throughput_runs: list[float] = field(default_factory=list)  # one per repeat, in run order
     tpots_ms: list[float] = field(default_factory=list)  # one per request
@@ -147,6 +149,7 @@ def merge_runs(runs: list[ArmResult]) -> ArmResult:
         num_accepted=sum(r.num_accepted for r in runs),
         decode_steps=decode_steps,
         spec_steps=sum(r.spec_steps for r in runs),
+        tree_steps=sum(r.tree_steps for r in runs),
         controller=runs[-1].controller,
         throughput_runs=[r.throughput_tok_s for r in runs],
         tpots_ms=tpots,
@@ -252,6 +255,7 @@ class ArmLoop:
             num_accepted=accepted,
             decode_steps=decode_steps,
             spec_steps=spec_steps,
+            tree_steps=after.num_tree_steps - before.num_tree_steps,
             controller=ctrl_stats,
             throughput_runs=[throughput],
             tpots_ms=[1e3 * t for t in tpots],
@@ -508,6 +512,9 @@ def write_results(
         "command": " ".join(
             ["python -m specdec.evals.controller_sweep.sweep", *(argv or sys.argv[1:])]
         ),
+        "commit": git_commit(),
+        "environment": environment_info(),
+        "dtype": str(adaptive.dtype).removeprefix("torch."),
         "model": "tiny" if args.tiny else args.model,
         "draft_model": "tiny-draft" if args.tiny else args.draft_model,
         "max_tokens": args.max_tokens,
