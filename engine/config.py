@@ -17,6 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight formats of the linear layers (CPU): see specdec.engine.models.quant and docs/formats.md.
 QUANTIZATIONS = ("none", "int8")
 DRAFT_QUANTIZATIONS = ("none", "int8", "int8-dynamic")
+# KV pool formats: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store one
+# byte per element, cast with no scale and read back into the model dtype by the attention.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -44,6 +47,7 @@ class EngineConfig:
     draft_vocab_size: int | None = None
     draft_vocab_table: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     quantization: str = "none"
     draft_quantization: str = "none"
     device: str = "auto"
@@ -86,6 +90,10 @@ class EngineConfig:
             f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
         )
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         check(
             self.quantization in QUANTIZATIONS,
             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",

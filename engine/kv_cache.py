@@ -3,6 +3,11 @@
 Block id b addresses ``page_size`` token slots in every layer of every registered model (target
 and draft), so a sequence's single block table serves both. Memory per block is the sum over
 models of page_size x (K+V bytes per token).
+
+Pages hold the model dtype, or with ``--kv-cache-dtype fp8`` one byte per element (float8 e4m3 or
+e5m2, cast with no scale: e4m3 saturates at +-448, e5m2 reaches 57344 with 2 mantissa bits).
+Each element is cast on its own, so a token's stored K/V does not depend on what else the step
+computed, and greedy speculative output stays equal to plain output under either format.
 """
 
 from __future__ import annotations
@@ -12,11 +17,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from specdec.engine.attention.base import as_bytes
 from specdec.engine.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+KV_CACHE_TORCH_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for ``--kv-cache-dtype`` (auto: the model's)."""
+    return KV_CACHE_TORCH_DTYPES.get(name, model_dtype)
 
 
 @dataclass
@@ -77,5 +93,5 @@ def copy_kv_slots(kv: ModelKV, src_slots: Sequence[int], dst_slots: Sequence[int
     dst = torch.tensor(list(dst_slots), dtype=torch.int64, device=k0.device)
     for k_cache, v_cache in kv.layers:
         for cache in (k_cache, v_cache):
-            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+            flat = as_bytes(cache).view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
             flat.index_copy_(0, dst, flat.index_select(0, src))

@@ -19,7 +19,13 @@ from specdec.engine.cuda_graphs import GraphedForward, batch_buckets, num_scratc
 from specdec.engine.device_memory import RuntimeShapes, runtime_bytes
 from specdec.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from specdec.engine.gpu_sampling import flashinfer_sampling_kernels, probs_for_rows, verify_drafts
-from specdec.engine.kv_cache import GIB, allocate_model_kv, bytes_per_block, num_blocks_for_budget
+from specdec.engine.kv_cache import (
+    GIB,
+    allocate_model_kv,
+    bytes_per_block,
+    num_blocks_for_budget,
+    resolve_kv_dtype,
+)
 from specdec.engine.loader import (
     LoadedModel,
     check_quantization,
@@ -86,6 +92,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         if self.device.type != "cpu" and {config.quantization, config.draft_quantization} != {
             "none"
         }:
@@ -194,7 +201,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._states: dict[str, OutputState] = {}
         self.num_steps = 0
-        per_block = bytes_per_block(archs, config.page_size, self.dtype)
+        per_block = bytes_per_block(archs, config.page_size, self.kv_dtype)
         logger.info(
             "KV pool: %d blocks x %d tokens (%.2f GiB, shared by %s); %d sequences of "
             "max_model_len=%d fit at once",
@@ -227,7 +234,7 @@ class LLMEngine:
         less what the runners will take later (workspaces, CUDA graphs, activations)."""
         if self.device.type != "cuda":
             budget = int(self.config.kv_cache_memory * GIB)
-            return num_blocks_for_budget(archs, self.config.page_size, self.dtype, budget)
+            return num_blocks_for_budget(archs, self.config.page_size, self.kv_dtype, budget)
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = int(free * self.config.gpu_memory_utilization) - self.runtime_reserve_bytes
         logger.info(
@@ -237,7 +244,7 @@ class LLMEngine:
             self.runtime_reserve_bytes / GIB,
             100 * self.config.gpu_memory_utilization,
         )
-        return num_blocks_for_budget(archs, self.config.page_size, self.dtype, max(0, budget))
+        return num_blocks_for_budget(archs, self.config.page_size, self.kv_dtype, max(0, budget))
 
     def _runtime_reserve(self, target_q_lens: list[int]) -> int:
         """Estimated device bytes of both runners beyond weights and KV (`device_memory`), the
@@ -263,7 +270,7 @@ class LLMEngine:
     def _make_runner(self, loaded: LoadedModel, graph_q_lens: list[int]) -> ModelRunner:
         arch, page = loaded.arch, self.config.page_size
         total_blocks = self._num_blocks + self._num_scratch
-        kv = allocate_model_kv(arch, total_blocks, page, self.dtype, self.device)
+        kv = allocate_model_kv(arch, total_blocks, page, self.kv_dtype, self.device)
         backend = create_backend(
             self.config.attention_backend,
             arch.num_attention_heads,
@@ -274,6 +281,7 @@ class LLMEngine:
         graphed = None
         if isinstance(backend, FlashInferAttentionBackend):
             backend.dtype = self.dtype  # plan kernels in plan(), not at the first layer
+            backend.kv_dtype = self.kv_dtype if self.kv_dtype != self.dtype else None
             loaded.model.use_fused_ops(self._fused_ops)
             if self._num_scratch:
                 k_max = max(graph_q_lens) - 1

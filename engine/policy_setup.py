@@ -71,6 +71,8 @@ def build_policy(
             budget_seconds=CALIBRATION_SECONDS,
         )
         machine = machine_description(target.device, dtype, models)
+        if config.kv_cache_dtype != "auto":  # pages read through a cast: other timings
+            machine["kv_cache_dtype"] = config.kv_cache_dtype
         if cache:
             table = cached_or_measured(target, draft, allocator, spec, machine, clock=clock)
         else:

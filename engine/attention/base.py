@@ -201,6 +201,12 @@ class AttentionBackend(ABC):
         through the sequence's tree mask where it has one)."""
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor viewed as uint8 (torch has no CPU index_copy_ for float8); others as they
+    are. Copies between such views move the same bits."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -208,6 +214,8 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new keys/values into their pool slots (pool viewed as [num_slots, heads, dim])."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter new keys/values into their pool slots (pool viewed as [num_slots, heads, dim]),
+    cast to the pool's element type."""
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        flat = as_bytes(cache).view(-1, *cache.shape[2:])
+        flat.index_copy_(0, slot_mapping, as_bytes(new.to(cache.dtype)))

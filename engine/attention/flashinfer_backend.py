@@ -205,6 +205,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # The model dtype (q and KV pages). Unknown until the owner sets it or the first forward
         # shows it; until then planning the kernels waits for layer 0 of the first step.
         self.dtype: torch.dtype | None = None
+        # The KV pages' element type when it differs from the model's (--kv-cache-dtype fp8);
+        # None: the model dtype. FlashInfer reads float8 pages and computes in q's dtype.
+        self.kv_dtype: torch.dtype | None = None
         # Per wrapper: an event recorded after its last plan (see plan_wrapper).
         self._planned: dict[int, torch.cuda.Event] = {}
 
@@ -253,7 +256,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             indices = indices.to(self.device, non_blocking=True)
         common: dict[str, Any] = {
             "q_data_type": dtype,
-            "kv_data_type": dtype,
+            "kv_data_type": self.kv_dtype or dtype,
             "sm_scale": self.scale,
         }
         if is_decode:
@@ -309,6 +312,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise RuntimeError("plan(meta) must run before forward")
         if step.wrapper is None:
             self.dtype = q.dtype
+            if k_cache.dtype != q.dtype:
+                self.kv_dtype = k_cache.dtype
             self.plan_wrapper(step, self.eager_wrapper_for(step), q.dtype)
         elif q.dtype != self.dtype:
             raise RuntimeError(f"planned for {self.dtype} but q is {q.dtype}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specdec.engine.cpu_features import vector_flags_summary
 from specdec.evals.environment import environment_info, git_commit
-from specdec.evals.formats.measure import Arm, measure_arm
+from specdec.evals.formats.measure import LONG_CONTEXT, Arm, measure_arm
 from specdec.evals.greedy_check import first_difference
 
 DEFAULT_ARMS = (
@@ -114,6 +114,7 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
             row[f"{group}_spec_tok_s"] = statistics.median(x["spec_tok_s"] for x in mine)
             row[f"{group}_fixed_k_tok_s"] = statistics.median(x["fixed_k_tok_s"] for x in mine)
         target_ms = statistics.median(r["target_step_ms"] for r in results)
+        long_ms = [r["target_step_long_ms"] for r in results if "target_step_long_ms" in r]
         draft_ms = statistics.median(r["draft_step_ms"] for r in results)
         judged = sum(x["first_position_judged"] for x in runs)
         drafted = sum(x["drafted"] for x in runs)
@@ -125,6 +126,8 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
         ]
         row.update(
             target_step_ms=target_ms,
+            target_step_long_ms=statistics.median(long_ms) if long_ms else None,
+            kv_blocks_per_gib=results[0].get("kv_blocks"),
             draft_step_ms=draft_ms,
             draft_over_target=draft_ms / target_ms,
             draft_agreement=sum(x["first_position_accepted"] for x in runs) / judged
@@ -165,21 +168,23 @@ def markdown(result: dict) -> str:
         f"{result['threads']} threads, torch {result['environment']['torch']}, "
         f"{result['date']}. Batch 1, greedy, {result['max_tokens']} tokens per prompt, "
         f"{result['rounds']} round(s) of every arm in its own process, arms interleaved. "
-        "Arm = `target dtype:target quantization/draft quantization` (the draft runs in the "
-        "target's dtype).",
+        "Arm = `target dtype:target quantization/draft quantization[@KV pool format]` (the draft "
+        "runs in the target's dtype; the KV pool holds the model dtype unless `@fp8...` says).",
         "",
         "| arm | code plain tok/s | code adaptive tok/s | code k=6 tok/s | chat plain tok/s "
         "| chat adaptive tok/s | chat k=6 tok/s | adaptive drafted | target step ms "
+        f"| target step ms at {LONG_CONTEXT} | KV blocks per GiB "
         "| draft step ms | draft / target | draft agreement | acceptance (k=6) "
         "| spec == plain | prefix kept vs fp32 | perplexity | peak RSS GiB |",
-        "|---" * 17 + "|",
+        "|---" * 19 + "|",
     ]
     for r in result["arms"]:
         lines.append(
             f"| `{r['arm']}` | {f(r['code_plain_tok_s'])} | {f(r['code_spec_tok_s'])} "
             f"| {f(r['code_fixed_k_tok_s'])} | {f(r['chat_plain_tok_s'])} "
             f"| {f(r['chat_spec_tok_s'])} | {f(r['chat_fixed_k_tok_s'])} | {r['auto_drafted']} "
-            f"| {f(r['target_step_ms'], '.0f')} | {f(r['draft_step_ms'], '.0f')} "
+            f"| {f(r['target_step_ms'], '.0f')} | {f(r.get('target_step_long_ms'), '.0f')} "
+            f"| {r.get('kv_blocks_per_gib', '-')} | {f(r['draft_step_ms'], '.0f')} "
             f"| {f(r['draft_over_target'])} | {f(r['draft_agreement'])} | {f(r['acceptance'])} "
             f"| {'yes' if r['spec_equals_plain'] else 'NO'} "
             f"| {f(r['matching_prefix_vs_fp32'])} ({r['identical_to_fp32']}/{r['prompts']}) "

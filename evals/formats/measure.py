@@ -25,29 +25,33 @@ from specdec.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class Arm:
-    """A target format and a draft format: ``dtype:quantization/draft_quantization``."""
+    """A target format, a draft format and a KV pool format:
+    ``dtype:quantization/draft_quantization[@kv_cache_dtype]``."""
 
     dtype: str
     quantization: str
     draft_quantization: str
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def parse(cls, text: str) -> Arm:
         try:
-            target, draft_quantization = text.split("/")
+            weights, _, kv = text.partition("@")
+            target, draft_quantization = weights.split("/")
             dtype, quantization = target.split(":")
         except ValueError:
             raise ValueError(
-                f"arm {text!r}: expected DTYPE:QUANTIZATION/DRAFT_QUANTIZATION, "
-                "e.g. bfloat16:int8/int8-dynamic"
+                f"arm {text!r}: expected DTYPE:QUANTIZATION/DRAFT_QUANTIZATION[@KV_CACHE_DTYPE], "
+                "e.g. bfloat16:int8/int8-dynamic or bfloat16:none/none@fp8"
             ) from None
-        arm = cls(dtype, quantization, draft_quantization)
+        arm = cls(dtype, quantization, draft_quantization, kv or "auto")
         arm.config(threads=1)  # validates every field with the engine's own checks
         return arm
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}:{self.quantization}/{self.draft_quantization}"
+        kv = "" if self.kv_cache_dtype == "auto" else f"@{self.kv_cache_dtype}"
+        return f"{self.dtype}:{self.quantization}/{self.draft_quantization}{kv}"
 
     def config(self, threads: int, max_model_len: int = 2048) -> EngineConfig:
         return EngineConfig(
@@ -57,6 +61,7 @@ class Arm:
             dtype=self.dtype,
             quantization=self.quantization,
             draft_quantization=self.draft_quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             num_threads=threads,
             max_model_len=max_model_len,
             kv_cache_memory=1.0,
@@ -73,16 +78,26 @@ def decode_rate(out) -> float:
     return (len(out.output_token_ids) - 1) / (out.finish_time - out.first_token_time)
 
 
-def one_row_forward_ms(engine: LLMEngine, runner: ModelRunner, repeats: int) -> float:
-    """Median time of a one-token forward after a 64-token context (a plain decode step)."""
-    seq = Sequence(-1, "timing", list(range(100, 165)), greedy(1), "off")
+# The context of the long-context step time: attention, and so the KV pool's format, weighs.
+LONG_CONTEXT = 1984
+
+
+def one_row_forward_ms(
+    engine: LLMEngine, runner: ModelRunner, repeats: int, context: int = 64
+) -> float:
+    """Median time of a one-token forward after a ``context``-token context (a plain decode
+    step)."""
+    tokens = [100 + i % 1000 for i in range(context + 1)]
+    seq = Sequence(-1, "timing", tokens, greedy(1), "off")
     engine.allocator.allocate(seq, seq.num_tokens)
     try:
-        runner.run([RunEntry(seq, list(range(100, 164)), 0, 1)])  # the context's keys
+        for start in range(0, context, 256):  # the context's keys, in prefill-sized chunks
+            piece = tokens[start : min(start + 256, context)]
+            runner.run([RunEntry(seq, piece, start, 1)])
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            runner.run([RunEntry(seq, [164], 64, 1)])
+            runner.run([RunEntry(seq, [tokens[context]], context, 1)])
             times.append(time.perf_counter() - start)
     finally:
         engine.allocator.free(seq)
@@ -122,6 +137,7 @@ def measure_arm(
     free0 = engine.allocator.num_free_blocks
     engine.generate([prompts[0][2]], greedy(4), speculative="auto")  # first-call overheads
     target_ms = one_row_forward_ms(engine, engine.target_runner, repeats)
+    target_long_ms = one_row_forward_ms(engine, engine.target_runner, repeats, LONG_CONTEXT)
     draft_ms = one_row_forward_ms(engine, engine.proposer.runner, repeats)
     runs = []
     for prompt_id, category, ids in prompts:
@@ -159,6 +175,8 @@ def measure_arm(
         "resolved_dtype": str(engine.dtype).removeprefix("torch."),
         "load_seconds": load_seconds,
         "target_step_ms": target_ms,
+        "target_step_long_ms": target_long_ms,
+        "kv_blocks": engine.allocator.num_free_blocks,
         "draft_step_ms": draft_ms,
         "perplexity": ppl,
         "runs": runs,
