@@ -49,8 +49,9 @@ HELP = {
     "Qwen2.5 tokenizer)",
     "dtype": "weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, "
     "else float32; docs/formats.md)",
-    "kv_cache_dtype": "KV pool element type: auto (the model dtype), or fp8 (= fp8_e4m3) / "
-    "fp8_e5m2, one byte per element, twice the tokens per GiB of bf16 (docs/formats.md)",
+    "kv_cache_dtype": "KV pool format: auto (the model dtype); int8 (CPU; a scale per token and "
+    "head) or fp8 (= fp8_e4m3) / fp8_e5m2 (no scale): one byte per element, about twice the "
+    "tokens per GiB of bf16 (docs/formats.md)",
     "quantization": "target's linear-layer weights (CPU): int8 = int8 weights and per-row int8 "
     "activations, greedy speculative output still equal to plain output of the int8 model",
     "draft_quantization": "draft's linear-layer weights (CPU): int8 as for the target, or "

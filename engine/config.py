@@ -17,9 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight formats of the linear layers (CPU): see specdec.engine.models.quant and docs/formats.md.
 QUANTIZATIONS = ("none", "int8")
 DRAFT_QUANTIZATIONS = ("none", "int8", "int8-dynamic")
-# KV pool formats: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store one
-# byte per element, cast with no scale and read back into the model dtype by the attention.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# KV pool formats: auto stores K/V in the model dtype; int8 (a scale per row, CPU) and fp8
+# (= fp8_e4m3) and fp8_e5m2 (no scale) store one byte per element (engine/attention/kv_format.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -93,6 +93,10 @@ class EngineConfig:
         check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        check(
+            not (self.kv_cache_dtype == "int8" and self.device == "cuda"),
+            "--kv-cache-dtype int8 is a CPU format: use fp8 on CUDA",
         )
         check(
             self.quantization in QUANTIZATIONS,

@@ -4,10 +4,8 @@ Block id b addresses ``page_size`` token slots in every layer of every registere
 and draft), so a sequence's single block table serves both. Memory per block is the sum over
 models of page_size x (K+V bytes per token).
 
-Pages hold the model dtype, or with ``--kv-cache-dtype fp8`` one byte per element (float8 e4m3 or
-e5m2, cast with no scale: e4m3 saturates at +-448, e5m2 reaches 57344 with 2 mantissa bits).
-Each element is cast on its own, so a token's stored K/V does not depend on what else the step
-computed, and greedy speculative output stays equal to plain output under either format.
+Pages hold the model dtype, or with ``--kv-cache-dtype`` one byte per element: int8 rows with a
+scale each, or float8 (`specdec.engine.attention.kv_format` has the encodings).
 """
 
 from __future__ import annotations
@@ -17,13 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from specdec.engine.attention.base import as_bytes
+from specdec.engine.attention.kv_format import as_bytes, row_width
 from specdec.engine.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 KV_CACHE_TORCH_DTYPES = {
+    "int8": torch.int8,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
@@ -37,14 +36,18 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class ModelKV:
-    """One model's pages: per layer (k, v), each [num_blocks, page_size, num_kv_heads, head_dim]."""
+    """One model's pages: per layer (k, v), each [num_blocks, page_size, num_kv_heads, row] (row:
+    head_dim, plus an int8 pool's per-row scale)."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def bytes_per_block(archs: list[ModelArch], page_size: int, dtype: torch.dtype) -> int:
     size = torch.empty(0, dtype=dtype).element_size()
-    return page_size * sum(a.kv_bytes_per_token(size) for a in archs)
+    per_token = [
+        a.kv_bytes_per_token(size) * row_width(a.head_dim, dtype) // a.head_dim for a in archs
+    ]
+    return page_size * sum(per_token)
 
 
 def num_blocks_for_budget(
@@ -56,7 +59,7 @@ def num_blocks_for_budget(
 def allocate_model_kv(
     arch: ModelArch, num_blocks: int, page_size: int, dtype: torch.dtype, device: torch.device
 ) -> ModelKV:
-    shape = (num_blocks, page_size, arch.num_key_value_heads, arch.head_dim)
+    shape = (num_blocks, page_size, arch.num_key_value_heads, row_width(arch.head_dim, dtype))
     layers = [
         (
             torch.zeros(shape, dtype=dtype, device=device),

@@ -97,6 +97,8 @@ class LLMEngine:
             "none"
         }:
             raise ConfigError("--quantization and --draft-quantization are CPU formats")
+        if self.device.type != "cpu" and config.kv_cache_dtype == "int8":
+            raise ConfigError("--kv-cache-dtype int8 is a CPU format: use fp8 on CUDA")
         torch.manual_seed(config.seed)
         self.target = target or load_model(
             config.model,

@@ -1,6 +1,6 @@
-"""--kv-cache-dtype fp8: one-byte KV pages, cast element by element, read back in the model dtype;
-greedy speculative output equal to plain output on the same pool format, twice the tokens per
-GiB of bf16, nothing leaked."""
+"""--kv-cache-dtype int8 | fp8 | fp8_e5m2: one-byte KV pages (int8 rows with a scale each, or
+float8 elements), read back in the model dtype; greedy speculative output equal to plain output
+on the same pool format, about twice the tokens per GiB of bf16, nothing leaked."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 from specdec.api.engine_args import add_engine_arguments, config_from_args
 from specdec.engine.attention.base import build_attention_metadata, write_kv
+from specdec.engine.attention.kv_format import decode, encode, row_width
 from specdec.engine.attention.torch_backend import TorchAttentionBackend
+from specdec.engine.config import EngineConfig
 from specdec.engine.errors import ConfigError
 from specdec.engine.kv_cache import ModelKV, bytes_per_block, copy_kv_slots
 from specdec.engine.sampling_params import SamplingParams
@@ -19,6 +21,7 @@ from test_engine_greedy import prompts, run_staggered
 from tiny_models import make_engine
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FORMATS = {"int8": torch.int8, **FP8}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -48,6 +51,19 @@ def test_pages_hold_each_element_cast_on_its_own(name):
     assert not flat_k[[0, 2, 4, 5, 7]].any()  # nothing else written
 
 
+def test_int8_rows_keep_their_own_scale_and_round_to_a_254th_of_their_largest():
+    rows = torch.randn(5, 2, 16) * torch.tensor([1.0, 300.0])[:, None]  # heads of unlike size
+    rows[0, 0, 3] = 0.0
+    stored = encode(rows, torch.int8)
+    assert stored.shape == (5, 2, 16 + 4) and stored.dtype == torch.int8
+    back = decode(stored, torch.float32)
+    bound = rows.abs().amax(-1, keepdim=True) / 254 * 1.0001
+    assert ((back - rows).abs() <= bound).all()
+    # A row is encoded from its own values only: alone or among others, the same bytes.
+    assert torch.equal(encode(rows[2:3], torch.int8), stored[2:3])
+    assert not decode(encode(torch.zeros(1, 1, 16), torch.int8), torch.float32).any()
+
+
 def test_copying_slots_of_an_fp8_pool_moves_the_same_bits():
     pool = torch.randn(4, 2, 2, 8).to(torch.float8_e4m3fn)
     kv = ModelKV([(pool.clone(), pool.clone())])
@@ -58,7 +74,7 @@ def test_copying_slots_of_an_fp8_pool_moves_the_same_bits():
     assert torch.equal(flat[2:], src[2:])
 
 
-def test_an_fp8_pool_holds_twice_the_blocks_of_bf16_in_the_same_memory(target):
+def test_one_byte_pools_hold_about_twice_the_blocks_of_bf16_in_the_same_memory(target):
     bf16 = make_engine(target, kv_cache_memory=0.01, num_kv_blocks=None, dtype="bfloat16")
     fp8 = make_engine(
         target, kv_cache_memory=0.01, num_kv_blocks=None, dtype="bfloat16", kv_cache_dtype="fp8"
@@ -69,9 +85,17 @@ def test_an_fp8_pool_holds_twice_the_blocks_of_bf16_in_the_same_memory(target):
     )
     assert abs(fp8.allocator.num_free_blocks - 2 * bf16.allocator.num_free_blocks) <= 1  # floors
     assert fp8.target_runner.kv.layers[0][0].dtype == torch.float8_e4m3fn
+    int8 = make_engine(
+        target, kv_cache_memory=0.01, num_kv_blocks=None, dtype="bfloat16", kv_cache_dtype="int8"
+    )
+    head_dim = bf16.target.arch.head_dim
+    layer = int8.target_runner.kv.layers[0][0]
+    assert layer.dtype == torch.int8 and layer.shape[-1] == head_dim + 4  # values, then scale
+    expected = bf16.allocator.num_free_blocks * 2 * head_dim / (head_dim + 4)
+    assert abs(int8.allocator.num_free_blocks - expected) <= 1
 
 
-@pytest.mark.parametrize("name", sorted(FP8))
+@pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("trees", [0, 8])
 def test_greedy_speculative_output_equals_plain_output_on_an_fp8_pool(target, draft, name, trees):
     options = dict(kv_cache_dtype=name, max_num_batched_tokens=40)
@@ -89,7 +113,7 @@ def test_greedy_speculative_output_equals_plain_output_on_an_fp8_pool(target, dr
     assert spec.allocator.num_free_blocks == free0
 
 
-@pytest.mark.parametrize("name, tolerance", [("fp8_e4m3", 0.05), ("fp8_e5m2", 0.1)])
+@pytest.mark.parametrize("name, tolerance", [("int8", 0.01), ("fp8_e4m3", 0.05), ("fp8_e5m2", 0.1)])
 def test_attention_over_fp8_pages_is_close_to_full_precision(name, tolerance):
     """Not exact against a full-precision pool (that is the format's price; its effect on a real
     pair's output is measured, docs/formats.md), but within the format's rounding: a prefill
@@ -97,8 +121,8 @@ def test_attention_over_fp8_pages_is_close_to_full_precision(name, tolerance):
     heads, kv_heads, dim, page = 4, 2, 16, 4
     backend = TorchAttentionBackend(heads, kv_heads, dim, torch.device("cpu"))
     outs = {}
-    for pool_dtype in (torch.float32, FP8[name]):
-        k_cache = torch.zeros(8, page, kv_heads, dim, dtype=pool_dtype)
+    for pool_dtype in (torch.float32, FORMATS[name]):
+        k_cache = torch.zeros(8, page, kv_heads, row_width(dim, pool_dtype), dtype=pool_dtype)
         v_cache = torch.zeros_like(k_cache)
         out = []
         for q_len, kv_len in ((12, 12), (1, 13)):  # a prompt, then one decode over it
@@ -108,13 +132,15 @@ def test_attention_over_fp8_pages_is_close_to_full_precision(name, tolerance):
             backend.plan(meta)
             out.append(backend.forward(q, k, v, k_cache, v_cache, meta))
         outs[pool_dtype] = torch.cat(out)
-    full, fp8 = outs[torch.float32], outs[FP8[name]]
-    assert (fp8 - full).norm() / full.norm() < tolerance
+    full, short = outs[torch.float32], outs[FORMATS[name]]
+    assert (short - full).norm() / full.norm() < tolerance
 
 
 def test_a_bad_kv_cache_dtype_is_refused(target):
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
         make_engine(target, kv_cache_dtype="int4")
+    with pytest.raises(ConfigError, match="int8 is a CPU format"):
+        EngineConfig(kv_cache_dtype="int8", device="cuda")
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"])

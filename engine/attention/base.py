@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from specdec.engine.attention.kv_format import as_bytes, encode
 
 
 @dataclass
@@ -201,12 +202,6 @@ class AttentionBackend(ABC):
         through the sequence's tree mask where it has one)."""
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A float8 tensor viewed as uint8 (torch has no CPU index_copy_ for float8); others as they
-    are. Copies between such views move the same bits."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
-
-
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -214,8 +209,8 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new keys/values into their pool slots (pool viewed as [num_slots, heads, dim]),
-    cast to the pool's element type."""
+    """Scatter new keys/values into their pool slots (pool viewed as [num_slots, heads, row]),
+    encoded in the pool's format (`kv_format`)."""
     for new, cache in ((k, k_cache), (v, v_cache)):
         flat = as_bytes(cache).view(-1, *cache.shape[2:])
-        flat.index_copy_(0, slot_mapping, as_bytes(new.to(cache.dtype)))
+        flat.index_copy_(0, slot_mapping, encode(new, cache.dtype))

@@ -22,6 +22,7 @@ from specdec.engine.attention.base import (
     sequence_mask,
     write_kv,
 )
+from specdec.engine.attention.kv_format import decode
 
 
 @dataclass
@@ -76,8 +77,9 @@ class TorchAttentionBackend(AttentionBackend):
             qs = q[sp.q_start : sp.q_start + sp.q_len].view(sp.q_len, hkv, group, dim)
             qs = qs.permute(1, 2, 0, 3).reshape(hkv, group * sp.q_len, dim)
             o = F.scaled_dot_product_attention(
-                qs, keys.to(q.dtype), values.to(q.dtype), attn_mask=sp.mask, scale=self.scale
-            )  # [Hkv, group * q_len, D]
+                qs, decode(keys, q.dtype), decode(values, q.dtype), attn_mask=sp.mask,
+                scale=self.scale,
+            )  # [Hkv, group * q_len, D]  # fmt: skip
             o = o.view(hkv, group, sp.q_len, dim).permute(2, 0, 1, 3)
             out[sp.q_start : sp.q_start + sp.q_len] = o.reshape(sp.q_len, -1, dim)
         return out
@@ -88,8 +90,8 @@ class TorchAttentionBackend(AttentionBackend):
         all_keys = k_cache[sp.pages].flatten(0, 1)[: sp.kv_len]  # [kv, Hkv, D]
         all_values = v_cache[sp.pages].flatten(0, 1)[: sp.kv_len]
         for r, idx in enumerate(sp.row_keys or []):
-            keys = all_keys.index_select(0, idx).transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
-            values = all_values.index_select(0, idx).transpose(0, 1).to(q.dtype)
+            keys = decode(all_keys.index_select(0, idx).transpose(0, 1), q.dtype)  # [Hkv, n, D]
+            values = decode(all_values.index_select(0, idx).transpose(0, 1), q.dtype)
             qs = q[sp.q_start + r].view(hkv, group, dim)
             o = F.scaled_dot_product_attention(qs, keys, values, scale=self.scale)
             out[sp.q_start + r] = o.reshape(-1, dim)
