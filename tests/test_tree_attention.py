@@ -496,6 +496,7 @@ def routing_backend(monkeypatch):
     backend._decode = _FakeDecode(backend.workspace, "NHD")
     backend._tree_prefill = None
     backend.dtype = torch.bfloat16
+    backend.kv_dtype = None
     backend._planned = {}
     return backend
 
@@ -534,6 +535,17 @@ def test_flashinfer_routes_only_tree_batches_to_an_fa2_custom_mask_plan(routing_
     for refused in (fi._decode, graph):
         with pytest.raises(ValueError, match="eager prefill wrapper only"):
             fi.plan_wrapper(tree.plan, refused, torch.bfloat16)
+
+
+def test_flashinfer_plans_fp8_pages_as_their_own_kv_type(routing_backend) -> None:
+    """--kv-cache-dtype fp8: q stays in the model dtype, the pages are planned as float8."""
+    fi = routing_backend
+    fi.kv_dtype = torch.float8_e4m3fn
+    tables = random_pool([5, 9], PAGE, seed=4)[0]
+    fi.plan(build_attention_metadata([1, 1], [5, 9], tables, PAGE, CPU))
+    ((_, kwargs),) = fi._decode.plans
+    assert kwargs["q_data_type"] == torch.bfloat16
+    assert kwargs["kv_data_type"] == torch.float8_e4m3fn
 
 
 # ---------------------------------------------------------------- real FlashInfer (CUDA only)

@@ -1,0 +1,162 @@
+"""llama.cpp against this engine on the same CPU, the same GGUF files and the same prompt ids.
+
+llama.cpp (through its Python binding, ``llama-cpp-python``, installed apart from this project)
+decodes the default pair's Q4_K_M target GGUF natively, with plain greedy decode (its speculative
+mode with the draft lost to its own plain decode when measured, so plain is its best arm). This
+engine runs the same GGUF files dequantized to its weight format (``--dtype auto``): plain and
+adaptive speculative decode. Every arm decodes the same prompts at batch 1, greedy, EOS ignored,
+the arms interleaved prompt by prompt so a shared machine's drift falls on all of them; the
+figure is decode tokens per second after the first token (prompt processing excluded).
+
+    pip install llama-cpp-python   # into any environment that can import this project
+    python -m specdec.evals.baselines.llamacpp_compare --output-dir docs/results/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+CATEGORIES = {"code": ("code_generation", "code_editing"), "chat": ("multi_turn_chat",)}
+ARMS = ("llama_cpp_q4_k_m_plain", "specdec_plain", "specdec_adaptive")
+
+
+def llama_cpp_decode(llm, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """Greedy tokens after ``ids`` (EOS ignored: the generator runs until ``max_tokens``) and
+    the decode rate (tokens after the first per second)."""
+    tokens: list[int] = []
+    first_at = 0.0
+    gen = llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True)
+    for token in gen:
+        if not tokens:
+            first_at = time.perf_counter()
+        tokens.append(int(token))
+        if len(tokens) == max_tokens:
+            break
+    rate = (len(tokens) - 1) / (time.perf_counter() - first_at) if len(tokens) > 1 else 0.0
+    return tokens, rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output-dir", type=Path, default=Path("docs/results/bench"))
+    ap.add_argument("--name", default="llamacpp_compare")
+    ap.add_argument("--prompts-per-category", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="this engine's weight format")
+    args = ap.parse_args(argv)
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise SystemExit(
+            "llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp)"
+        ) from None
+    import torch
+    from specdec.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
+    from specdec.engine.cpu_features import vector_flags_summary
+    from specdec.engine.llm_engine import LLMEngine
+    from specdec.engine.sampling_params import SamplingParams
+    from specdec.engine.weights.cache import specdec_home
+    from specdec.evals.datasets import load_categories, prompt_token_ids
+    from specdec.evals.environment import environment_info, git_commit
+    from specdec.evals.formats.measure import decode_rate
+
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(
+        EngineConfig(device="cpu", dtype=args.dtype, num_threads=args.threads), progress=False
+    )
+    gguf = specdec_home() / "gguf" / f"{DEFAULT_TARGET}.gguf"
+    llm = Llama(str(gguf), n_ctx=4096, n_threads=args.threads, n_batch=512, verbose=False)
+    prompts = []
+    for group, categories in CATEGORIES.items():
+        for p in load_categories(list(categories), limit=args.prompts_per_category):
+            ids = prompt_token_ids(p, engine.tokenizer, 1 << 30)
+            prompts.append((p.id, group, ids))
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine.generate([prompts[0][2]], SamplingParams(temperature=0, max_tokens=4), "auto")
+    llama_cpp_decode(llm, prompts[0][2], 4)  # first-call overheads out of the figures
+    runs = []
+    for prompt_id, group, ids in prompts:
+        llama_tokens, llama_rate = llama_cpp_decode(llm, ids, args.max_tokens)
+        plain = engine.generate([ids], params, speculative="off")[0]
+        spec = engine.generate([ids], params, speculative="auto")[0]
+        runs.append(
+            {
+                "id": prompt_id,
+                "group": group,
+                "prompt_tokens": len(ids),
+                "llama_cpp_q4_k_m_plain": llama_rate,
+                "specdec_plain": decode_rate(plain),
+                "specdec_adaptive": decode_rate(spec),
+                "specdec_spec_equals_plain": spec.output_token_ids == plain.output_token_ids,
+                # Greedy tokens llama.cpp (Q4_K_M) shares with this engine's plain output before
+                # they first differ: the formats differ, so the outputs part after a while.
+                "common_prefix_with_llama_cpp": _common_prefix(
+                    llama_tokens, plain.output_token_ids
+                ),
+            }
+        )
+        print(json.dumps(runs[-1]))
+    summary = {
+        group: {a: statistics.median(r[a] for r in runs if r["group"] == group) for a in ARMS}
+        for group in CATEGORIES
+    }
+    result = {
+        "command": "python -m specdec.evals.baselines.llamacpp_compare " + " ".join(argv or []),
+        "commit": git_commit(),
+        "environment": environment_info(),
+        "cpu_flags": vector_flags_summary(),
+        "specdec_dtype": str(engine.dtype).removeprefix("torch."),
+        "llama_cpp_gguf": gguf.name,
+        "draft": DEFAULT_DRAFT,
+        "max_tokens": args.max_tokens,
+        "summary": summary,
+        "runs": runs,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    (args.output_dir / f"{args.name}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        "# llama.cpp and this engine on the same CPU",
+        "",
+        f"Command: `{result['command']}` at commit {result['commit']}. Machine: {env['cpu']} "
+        f"({result['cpu_flags']}), {env['torch_threads']} threads. Batch 1, greedy, EOS "
+        f"ignored, {result['max_tokens']} tokens per prompt, arms interleaved prompt by prompt. "
+        f"llama.cpp: `{result['llama_cpp_gguf']}` (Q4_K_M) with its CPU kernels, plain decode. "
+        f"This engine: the same GGUF files dequantized to {result['specdec_dtype']}, plain and "
+        "adaptive speculative decode with the draft. Decode tokens per second after the first "
+        "token, median over prompts.",
+        "",
+        "| prompts | llama.cpp Q4_K_M plain | specdec plain | specdec adaptive | adaptive / llama.cpp |",
+        "|---|---|---|---|---|",
+    ]
+    for group, s in result["summary"].items():
+        ratio = s["specdec_adaptive"] / s["llama_cpp_q4_k_m_plain"]
+        lines.append(
+            f"| {group} | {s['llama_cpp_q4_k_m_plain']:.2f} | {s['specdec_plain']:.2f} "
+            f"| {s['specdec_adaptive']:.2f} | {ratio:.2f} |"
+        )
+    same = all(r["specdec_spec_equals_plain"] for r in result["runs"])
+    lines += ["", f"specdec speculative output equal to its plain output on every prompt: {same}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
