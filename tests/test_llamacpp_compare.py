@@ -3,21 +3,19 @@ not installed (it is not a dependency of this project)."""
 
 from __future__ import annotations
 
-import builtins
+import importlib.util
 
 import pytest
 from specdec.evals.baselines import llamacpp_compare as compare
 
 
 def test_without_llama_cpp_python_it_says_how_to_get_it(monkeypatch):
-    real_import = builtins.__import__
+    real_find_spec = importlib.util.find_spec
 
     def no_llama_cpp(name, *args, **kwargs):
-        if name == "llama_cpp":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
+        return None if name == "llama_cpp" else real_find_spec(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    monkeypatch.setattr(importlib.util, "find_spec", no_llama_cpp)
     with pytest.raises(SystemExit, match="pip install llama-cpp-python"):
         compare.main(["--output-dir", "/nonexistent"])
 

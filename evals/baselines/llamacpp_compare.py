@@ -8,6 +8,10 @@ adaptive speculative decode. Every arm decodes the same prompts at batch 1, gree
 the arms interleaved prompt by prompt so a shared machine's drift falls on all of them; the
 figure is decode tokens per second after the first token (prompt processing excluded).
 
+llama.cpp runs in a child process of its own: on CPUs with AMX both it and oneDNN (this engine's
+matmuls) use the tile registers, and oneDNN releases the tile configuration after its kernels,
+which leaves llama.cpp's next tile instruction illegal when both share a process.
+
     pip install llama-cpp-python   # into any environment that can import this project
     python -m specdec.evals.baselines.llamacpp_compare --output-dir docs/results/bench
 """
@@ -15,8 +19,11 @@ figure is decode tokens per second after the first token (prompt processing excl
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import multiprocessing
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +47,33 @@ def llama_cpp_decode(llm, ids: list[int], max_tokens: int) -> tuple[list[int], f
     return tokens, rate
 
 
+def _llama_cpp_worker(conn, gguf: str, threads: int) -> None:
+    """Serves (prompt ids, max tokens) -> (tokens, decode rate) from its own process."""
+    from llama_cpp import Llama
+
+    llm = Llama(gguf, n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+    while (request := conn.recv()) is not None:
+        conn.send(llama_cpp_decode(llm, *request))
+
+
+class LlamaCppProcess:
+    """llama.cpp on ``gguf`` in a spawned child process; ``decode(ids, max_tokens)``."""
+
+    def __init__(self, gguf: str, threads: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_llama_cpp_worker, args=(child, gguf, threads))
+        self._proc.start()
+
+    def decode(self, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+        self._conn.send((ids, max_tokens))
+        return self._conn.recv()
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._proc.join()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-dir", type=Path, default=Path("docs/results/bench"))
@@ -49,12 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="this engine's weight format")
     args = ap.parse_args(argv)
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         raise SystemExit(
             "llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp)"
-        ) from None
+        )
     import torch
     from specdec.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
     from specdec.engine.cpu_features import vector_flags_summary
@@ -70,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(device="cpu", dtype=args.dtype, num_threads=args.threads), progress=False
     )
     gguf = specdec_home() / "gguf" / f"{DEFAULT_TARGET}.gguf"
-    llm = Llama(str(gguf), n_ctx=4096, n_threads=args.threads, n_batch=512, verbose=False)
+    llm = LlamaCppProcess(str(gguf), args.threads)
     prompts = []
     for group, categories in CATEGORIES.items():
         for p in load_categories(list(categories), limit=args.prompts_per_category):
@@ -78,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             prompts.append((p.id, group, ids))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine.generate([prompts[0][2]], SamplingParams(temperature=0, max_tokens=4), "auto")
-    llama_cpp_decode(llm, prompts[0][2], 4)  # first-call overheads out of the figures
+    llm.decode(prompts[0][2], 4)  # first-call overheads out of the figures
     runs = []
     for prompt_id, group, ids in prompts:
-        llama_tokens, llama_rate = llama_cpp_decode(llm, ids, args.max_tokens)
+        llama_tokens, llama_rate = llm.decode(ids, args.max_tokens)
         plain = engine.generate([ids], params, speculative="off")[0]
         spec = engine.generate([ids], params, speculative="auto")[0]
         runs.append(
@@ -100,13 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             }
         )
-        print(json.dumps(runs[-1]))
+        print(json.dumps(runs[-1]), flush=True)
+    llm.close()
     summary = {
         group: {a: statistics.median(r[a] for r in runs if r["group"] == group) for a in ARMS}
         for group in CATEGORIES
     }
     result = {
-        "command": "python -m specdec.evals.baselines.llamacpp_compare " + " ".join(argv or []),
+        "command": " ".join(
+            ["python -m specdec.evals.baselines.llamacpp_compare", *(argv or sys.argv[1:])]
+        ),
         "commit": git_commit(),
         "environment": environment_info(),
         "cpu_flags": vector_flags_summary(),
