@@ -98,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.evals.formats.measure import decode_rate
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(
-        EngineConfig(device="cpu", dtype=args.dtype, num_threads=args.threads), progress=False
+    # No prefix cache: each arm computes its prompt itself. A cached prefix changes how the
+    # prompt's attention is chunked, which in bf16 rounds differently and can move a greedy token.
+    config = EngineConfig(
+        device="cpu", dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False
     )
+    engine = LLMEngine(config, progress=False)
     gguf = specdec_home() / "gguf" / f"{DEFAULT_TARGET}.gguf"
     llm = LlamaCppProcess(str(gguf), args.threads)
     prompts = []
