@@ -12,7 +12,10 @@ requests, never from a run, so every policy meets the same machine.
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,24 +177,35 @@ def run_suite(
     scenarios: Sequence[Scenario] | None = None,
     policies: Sequence[Policy] | None = None,
     on_result: Callable[[str, str, PolicyResult], None] | None = None,
+    workers: int = 1,
 ) -> dict:
-    """Every policy on every scenario; the replay.json body."""
-    costs = StepCosts(traces.cost_table)
-    eng = traces.meta.get("engine", {})
-    shape = EngineShape(
-        num_kv_blocks=eng["num_kv_blocks"],
-        page_size=eng.get("page_size", 16),
-        max_num_seqs=eng.get("max_num_seqs", 32),
-        max_num_batched_tokens=eng.get("max_num_batched_tokens", 512),
-    )
+    """Every policy on every scenario; the replay.json body.
+
+    With ``workers`` > 1 the (scenario, policy) runs of the default scenarios and policies are
+    spread over that many processes (each run is independent and deterministic, and results are
+    gathered in order, so the output is byte for byte the serial one)."""
+    scenarios = list(scenarios if scenarios is not None else default_scenarios())
+    policies = list(policies if policies is not None else default_policies())
+    shape = engine_shape(traces)
+    pairs = [(sc, policy) for sc in scenarios for policy in policies]
+    if workers > 1 and _all_defaults(scenarios, policies):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, ctx, _worker_init, (traces, shape)) as pool:
+            names = [(sc.name, policy.name) for sc, policy in pairs]
+            results = list(pool.map(_run_named, names))
+    else:
+        costs = StepCosts(traces.cost_table)
+        results = [
+            run_policy(sc.build(traces, costs), policy, costs, shape)[0] for sc, policy in pairs
+        ]
     out = []
-    for sc in scenarios if scenarios is not None else default_scenarios():
+    for i, sc in enumerate(scenarios):
         row: dict = {"name": sc.name, "description": sc.description}
         metrics: dict[str, dict[str, float]] = {
             m: {} for m in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "mean_k", "acceptance")
         }
-        for policy in policies if policies is not None else default_policies():
-            result, _ = run_policy(sc.build(traces, costs), policy, costs, shape)
+        for j, policy in enumerate(policies):
+            result = results[i * len(policies) + j]
             metrics["tokens_per_s"][policy.name] = round(result.tokens_per_s, 3)
             metrics["ttft_p50_s"][policy.name] = round(_percentile(result.ttft, 50), 4)
             metrics["ttft_p99_s"][policy.name] = round(_percentile(result.ttft, 99), 4)
@@ -205,6 +219,44 @@ def run_suite(
         row.update(metrics)
         out.append(row)
     return {"scenarios": out}
+
+
+def engine_shape(traces: TraceSet) -> EngineShape:
+    """The replayed engine: the recorded pair's pool and batch limits."""
+    eng = traces.meta.get("engine", {})
+    return EngineShape(
+        num_kv_blocks=eng["num_kv_blocks"],
+        page_size=eng.get("page_size", 16),
+        max_num_seqs=eng.get("max_num_seqs", 32),
+        max_num_batched_tokens=eng.get("max_num_batched_tokens", 512),
+    )
+
+
+def _all_defaults(scenarios: Sequence[Scenario], policies: Sequence[Policy]) -> bool:
+    """Whether every scenario and policy is a default one (a worker rebuilds them by name)."""
+    known_scenarios = {s.name for s in default_scenarios()}
+    known_policies = {p.name for p in default_policies()}
+    return all(s.name in known_scenarios for s in scenarios) and all(
+        p.name in known_policies for p in policies
+    )
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(traces: TraceSet, shape: EngineShape) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("specdec").setLevel(logging.WARNING)
+    _WORKER.update(traces=traces, shape=shape, costs=StepCosts(traces.cost_table))
+
+
+def _run_named(names: tuple[str, str]) -> PolicyResult:
+    scenario = next(s for s in default_scenarios() if s.name == names[0])
+    policy = next(p for p in default_policies() if p.name == names[1])
+    traces, costs = _WORKER["traces"], _WORKER["costs"]
+    return run_policy(scenario.build(traces, costs), policy, costs, _WORKER["shape"])[0]
 
 
 def to_json(report: dict) -> str:

@@ -207,6 +207,8 @@ def test_suite_is_deterministic_and_has_the_required_shape(tmp_path):
     first = to_json(run_suite(loaded, scenarios, policies))
     second = to_json(run_suite(load_traces(tmp_path / "t"), scenarios, policies))
     assert first == second
+    # Spread over processes: the same bytes.
+    assert to_json(run_suite(loaded, scenarios, policies, workers=2)) == first
     report = run_suite(loaded, scenarios, policies)
     assert [r["name"] for r in report["scenarios"]] == [s.name for s in scenarios]
     for r in report["scenarios"]:

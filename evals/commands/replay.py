@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -25,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenarios", default="all", help="scenario names, comma-separated (default: all)"
     )
     g.add_argument("--policies", default="all", help="policy names, comma-separated (default: all)")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes the runs are spread over (default: one per CPU; output is the same)",
+    )
     g.add_argument(
         "--baseline",
         default=None,
@@ -66,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = _pick(args.scenarios, default_scenarios(), "scenario")
     policies = _pick(args.policies, default_policies(), "policy")
     start = time.perf_counter()
-    report = run_suite(traces, scenarios, policies)
+    report = run_suite(traces, scenarios, policies, workers=args.workers)
     seconds = time.perf_counter() - start
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
