@@ -21,10 +21,7 @@ def propose_ngram(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
     pattern in one vectorised pass, O(len * n) per ``n``; with ``n_max`` of a few and sequences of
     a few thousand tokens this is tens of microseconds and needs no index kept between steps.
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if not 1 <= n_min <= n_max:
-        raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+    _check_lookup(k, n_min, n_max)
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     length = ids.size
     for n in range(min(n_max, length - 1), n_min - 1, -1):
@@ -53,10 +50,7 @@ def propose_ngram_tree(
     """
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if not 1 <= n_min <= n_max:
-        raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+    _check_lookup(k, n_min, n_max)
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     length = ids.size
     trie: dict[int, dict] = {}
@@ -89,3 +83,11 @@ def propose_ngram_tree(
                 nxt.append((len(tokens) - 1, grandchildren))
         level = nxt
     return tokens, parents
+
+
+def _check_lookup(k: int, n_min: int, n_max: int) -> None:
+    """ValueError on a draft length or suffix range a lookup cannot use."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not 1 <= n_min <= n_max:
+        raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")

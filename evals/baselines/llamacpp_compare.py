@@ -163,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    """Tokens ``a`` and ``b`` share before they first differ."""
+    from specdec.evals.greedy_check import first_difference
+
+    diff = first_difference(a, b)
+    return len(a) if diff is None else diff
 
 
 def markdown(result: dict) -> str:
