@@ -96,5 +96,5 @@ def copy_kv_slots(kv: ModelKV, src_slots: Sequence[int], dst_slots: Sequence[int
     dst = torch.tensor(list(dst_slots), dtype=torch.int64, device=k0.device)
     for k_cache, v_cache in kv.layers:
         for cache in (k_cache, v_cache):
-            flat = as_bytes(cache).view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+            flat = as_bytes(cache).view(-1, *cache.shape[2:])  # [num_slots, kv_heads, row]
             flat.index_copy_(0, dst, flat.index_select(0, src))
