@@ -16,7 +16,7 @@ SCHEDULING_POLICIES = ("fcfs", "spf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight formats of the linear layers (CPU): see specdec.engine.models.quant and docs/formats.md.
 QUANTIZATIONS = ("none", "int8")
-DRAFT_QUANTIZATIONS = ("none", "int8", "int8-dynamic")
+DRAFT_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
 # KV pool formats: auto stores K/V in the model dtype; int8 (a scale per row, CPU) and fp8
 # (= fp8_e4m3) and fp8_e5m2 (no scale) store one byte per element (engine/attention/kv_format.py).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -9,7 +9,7 @@ import torch
 from specdec.engine.config import EngineConfig
 from specdec.engine.errors import ConfigError
 from specdec.engine.models.layers import Linear
-from specdec.engine.models.quant import Int8Dynamic, Int8RowScaled
+from specdec.engine.models.quant import Int4Draft, Int8Dynamic, Int8RowScaled
 from specdec.engine.sampling import RowContext, compute_probs, sample
 from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import expected, prompts, run_staggered
@@ -207,7 +207,7 @@ def test_embedded_logits_give_q_zero_off_the_kept_set(params):
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.mark.parametrize("draft_quantization", ["none", "int8-dynamic"])
+@pytest.mark.parametrize("draft_quantization", ["none", "int8-dynamic", "int4"])
 def test_greedy_output_is_token_identical_to_plain_decode(target, draft, table, draft_quantization):
     engine = make_engine(
         target,
@@ -220,7 +220,7 @@ def test_greedy_output_is_token_identical_to_plain_decode(target, draft, table, 
     )
     head = engine.proposer.runner.model.lm_head
     assert head.out_features == KEEP
-    assert (draft_quantization == "none") == (not isinstance(head.kernel, Int8Dynamic))
+    assert (draft_quantization == "none") == (not isinstance(head.kernel, (Int8Dynamic, Int4Draft)))
     free0 = engine.allocator.num_free_blocks
     ps = prompts()
     outs = run_staggered(engine, ps)

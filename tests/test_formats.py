@@ -11,7 +11,13 @@ from specdec.engine.errors import ConfigError
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.loader import resolve_dtype
 from specdec.engine.models.layers import Linear
-from specdec.engine.models.quant import Int8Dynamic, Int8RowScaled, quantize_model
+from specdec.engine.models.quant import (
+    INT4_MAX_ROWS,
+    Int4Draft,
+    Int8Dynamic,
+    Int8RowScaled,
+    quantize_model,
+)
 from specdec.engine.sampling_params import SamplingParams
 from test_engine_greedy import prompts, run_staggered
 from tiny_models import loaded_from_hf, make_engine, noisy_copy
@@ -80,6 +86,32 @@ def test_int8_kernels_stay_close_to_the_float_product(kernel):
     assert layer.weight_bytes < 40 * 24 * 4 / 3  # int8 values plus one fp32 scale per row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_draft_kernel_stays_close_to_the_float_product_at_every_row_count(dtype):
+    # 40 outputs: off the kernel's 16-channel blocks, so the padding is exercised too.
+    layer = _linear(torch.float32, out_features=40, in_features=128)
+    x = torch.randn(2 * INT4_MAX_ROWS, 128, generator=torch.Generator().manual_seed(4))
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.set_kernel(Int4Draft(layer.weight.to(dtype)))
+    layer.bias.data = layer.bias.data.to(dtype)
+    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 2 * INT4_MAX_ROWS):  # int4, then int8
+        got = layer(x[:rows].to(dtype))
+        assert got.dtype == dtype and got.shape == (rows, 40)
+        # 4-bit codes in groups of 64: about a tenth of each weight's spread is rounding.
+        assert float((got.float() - want[:rows]).norm() / want[:rows].norm()) < 0.15
+    # The few-row path is int4, not the int8 copy: its error is the larger one.
+    few = layer(x[:1].to(dtype)).float()
+    many = layer(torch.cat([x[:1]] * (INT4_MAX_ROWS + 1)).to(dtype))[:1].float()
+    assert not torch.equal(few, many)
+    assert layer.weight_bytes < 40 * 128 * 1.8  # half a byte plus the int8 copy's byte
+
+
+def test_int4_needs_input_features_in_groups_of_32():
+    layer = _linear(torch.float32, out_features=32, in_features=48)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Draft(layer.weight)
+
+
 def test_quantize_model_converts_every_linear_and_shrinks_the_weights(target):
     plain = loaded_from_hf(target).model
     quantized = loaded_from_hf(target, quantization="int8").model
@@ -91,7 +123,7 @@ def test_quantize_model_converts_every_linear_and_shrinks_the_weights(target):
     with pytest.raises(ValueError, match="plain CPU weights"):
         quantize_model(quantized, "int8")  # already converted: no plain weights left
     with pytest.raises(ValueError, match="unknown quantization"):
-        quantize_model(loaded_from_hf(target).model, "int4")
+        quantize_model(loaded_from_hf(target).model, "int3")
 
 
 FORMATS = [
@@ -101,6 +133,8 @@ FORMATS = [
     ("bfloat16", "int8", "int8"),
     ("float32", "none", "int8-dynamic"),
     ("bfloat16", "int8", "int8-dynamic"),
+    ("float32", "none", "int4"),
+    ("bfloat16", "none", "int4"),
 ]
 
 
