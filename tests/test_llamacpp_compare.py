@@ -21,22 +21,34 @@ def test_without_llama_cpp_python_it_says_how_to_get_it(monkeypatch):
 
 
 def test_report_gives_medians_and_the_ratio_to_llama_cpp():
+    arm = "bfloat16:none/int4"
     runs = [
-        {"group": "code", "llama_cpp_q4_k_m_plain": 10.0, "specdec_plain": 6.0,
-         "specdec_adaptive": 12.0, "specdec_spec_equals_plain": True},
+        {"group": "code", "llama_cpp_q4_k_m_plain": 10.0, f"{arm} plain": 6.0,
+         f"{arm} adaptive": 12.0, f"{arm} spec_equals_plain": True},
+        {"group": "code", "llama_cpp_q4_k_m_plain": 14.0, f"{arm} plain": 8.0,
+         f"{arm} adaptive": 16.0, f"{arm} spec_equals_plain": True},
+        {"group": "chat", "llama_cpp_q4_k_m_plain": 10.0, f"{arm} plain": 5.0,
+         f"{arm} adaptive": 9.0, f"{arm} spec_equals_plain": False},
     ]  # fmt: skip
+    summary = compare.summarize(runs, [arm])
+    assert summary["code"] == {
+        "llama_cpp_q4_k_m_plain": 12.0,
+        f"{arm} plain": 7.0,
+        f"{arm} adaptive": 14.0,
+    }
     result = {
         "command": "python -m specdec.evals.baselines.llamacpp_compare",
         "commit": "abc",
         "environment": {"cpu": "Some CPU", "torch_threads": 2},
         "cpu_flags": "avx2",
-        "specdec_dtype": "bfloat16",
+        "arms": {arm: "bfloat16"},
         "llama_cpp_gguf": "target.gguf",
         "max_tokens": 128,
-        "summary": {"code": {k: runs[0][k] for k in compare.ARMS}},
+        "summary": summary,
         "runs": runs,
     }
     md = compare.markdown(result)
-    assert "| code | 10.00 | 6.00 | 12.00 | 1.20 |" in md
-    assert "Some CPU" in md and "on every prompt: True" in md
+    assert "| code | 12.00 | 7.00 (0.58x) | 14.00 (1.17x) |" in md
+    assert "| chat | 10.00 | 5.00 (0.50x) | 9.00 (0.90x) |" in md
+    assert "Some CPU" in md and "on every prompt: False" in md
     assert compare._common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2

@@ -159,6 +159,19 @@ class DecoderLM(nn.Module):
                 m.ops = ops
         self.rope.ops = ops
 
+    def weight_bytes(self) -> int:
+        """Bytes held by the weights a forward computes with: every linear layer in the form it
+        is kept (int4 drafts hold an int8 copy too, and count it) and the norms; not the
+        embedding table, of which a forward reads only its tokens' rows."""
+        linear = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear))
+        norms = sum(
+            p.numel() * p.element_size()
+            for m in self.modules()
+            if isinstance(m, RMSNorm)
+            for p in m.parameters()
+        )
+        return linear + norms
+
     def pack_linear_weights(self) -> int:
         """Pack every Linear for the CPU fast path; returns how many were packed."""
         return sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear))

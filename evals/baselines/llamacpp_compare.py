@@ -3,8 +3,10 @@
 llama.cpp (through its Python binding, ``llama-cpp-python``, installed apart from this project)
 decodes the default pair's Q4_K_M target GGUF natively, with plain greedy decode (its speculative
 mode with the draft lost to its own plain decode when measured, so plain is its best arm). This
-engine runs the same GGUF files dequantized to its weight format (``--dtype auto``): plain and
-adaptive speculative decode. Every arm decodes the same prompts at batch 1, greedy, EOS ignored,
+engine runs the same GGUF files in the formats ``--arms`` names (``dtype:quantization/
+draft_quantization``, as the formats benchmark spells them; default: the engine's defaults), each
+one engine with a plain and an adaptive speculative arm. Every arm decodes the same prompts at
+batch 1, greedy, EOS ignored,
 the arms interleaved prompt by prompt so a shared machine's drift falls on all of them; the
 figure is decode tokens per second after the first token (prompt processing excluded).
 
@@ -13,7 +15,8 @@ matmuls) use the tile registers, and oneDNN releases the tile configuration afte
 which leaves llama.cpp's next tile instruction illegal when both share a process.
 
     pip install llama-cpp-python   # into any environment that can import this project
-    python -m specdec.evals.baselines.llamacpp_compare --output-dir docs/results/bench
+    python -m specdec.evals.baselines.llamacpp_compare --output-dir docs/results/bench \
+        --arms auto:none/none,auto:none/int4
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 
 CATEGORIES = {"code": ("code_generation", "code_editing"), "chat": ("multi_turn_chat",)}
-ARMS = ("llama_cpp_q4_k_m_plain", "specdec_plain", "specdec_adaptive")
+LLAMA_CPP = "llama_cpp_q4_k_m_plain"
 
 
 def llama_cpp_decode(llm, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -81,66 +84,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts-per-category", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="auto", help="this engine's weight format")
+    ap.add_argument(
+        "--arms",
+        default="auto:none/none",
+        help="this engine's formats, comma-separated DTYPE:QUANTIZATION/DRAFT_QUANTIZATION",
+    )
     args = ap.parse_args(argv)
     if importlib.util.find_spec("llama_cpp") is None:
         raise SystemExit(
             "llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp)"
         )
     import torch
-    from specdec.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
+    from specdec.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.engine.cpu_features import vector_flags_summary
     from specdec.engine.llm_engine import LLMEngine
     from specdec.engine.sampling_params import SamplingParams
     from specdec.engine.weights.cache import specdec_home
     from specdec.evals.datasets import load_categories, prompt_token_ids
     from specdec.evals.environment import environment_info, git_commit
-    from specdec.evals.formats.measure import decode_rate
+    from specdec.evals.formats.measure import Arm, decode_rate
 
     torch.set_num_threads(args.threads)
-    # No prefix cache: each arm computes its prompt itself. A cached prefix changes how the
-    # prompt's attention is chunked, which in bf16 rounds differently and can move a greedy token.
-    config = EngineConfig(
-        device="cpu", dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False
-    )
-    engine = LLMEngine(config, progress=False)
+    arms = [Arm.parse(text) for text in args.arms.split(",")]
+    # Arm configs turn the prefix cache off: each arm computes its prompt itself. A cached prefix
+    # changes how the prompt's attention is chunked, which in bf16 rounds differently and can
+    # move a greedy token.
+    engines = {arm.name: LLMEngine(arm.config(args.threads, 4096), progress=False) for arm in arms}
+    tokenizer = next(iter(engines.values())).tokenizer
     gguf = specdec_home() / "gguf" / f"{DEFAULT_TARGET}.gguf"
     llm = LlamaCppProcess(str(gguf), args.threads)
     prompts = []
     for group, categories in CATEGORIES.items():
         for p in load_categories(list(categories), limit=args.prompts_per_category):
-            ids = prompt_token_ids(p, engine.tokenizer, 1 << 30)
+            ids = prompt_token_ids(p, tokenizer, 1 << 30)
             prompts.append((p.id, group, ids))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    engine.generate([prompts[0][2]], SamplingParams(temperature=0, max_tokens=4), "auto")
-    llm.decode(prompts[0][2], 4)  # first-call overheads out of the figures
+    for engine in engines.values():  # first-call overheads out of the figures
+        engine.generate([prompts[0][2]], SamplingParams(temperature=0, max_tokens=4), "auto")
+    llm.decode(prompts[0][2], 4)
     runs = []
     for prompt_id, group, ids in prompts:
         llama_tokens, llama_rate = llm.decode(ids, args.max_tokens)
-        plain = engine.generate([ids], params, speculative="off")[0]
-        spec = engine.generate([ids], params, speculative="auto")[0]
-        runs.append(
-            {
-                "id": prompt_id,
-                "group": group,
-                "prompt_tokens": len(ids),
-                "llama_cpp_q4_k_m_plain": llama_rate,
-                "specdec_plain": decode_rate(plain),
-                "specdec_adaptive": decode_rate(spec),
-                "specdec_spec_equals_plain": spec.output_token_ids == plain.output_token_ids,
-                # Greedy tokens llama.cpp (Q4_K_M) shares with this engine's plain output before
-                # they first differ: the formats differ, so the outputs part after a while.
-                "common_prefix_with_llama_cpp": _common_prefix(
-                    llama_tokens, plain.output_token_ids
-                ),
-            }
-        )
+        run = {"id": prompt_id, "group": group, "prompt_tokens": len(ids), LLAMA_CPP: llama_rate}
+        for name, engine in engines.items():
+            plain = engine.generate([ids], params, speculative="off")[0]
+            spec = engine.generate([ids], params, speculative="auto")[0]
+            run[f"{name} plain"] = decode_rate(plain)
+            run[f"{name} adaptive"] = decode_rate(spec)
+            run[f"{name} spec_equals_plain"] = spec.output_token_ids == plain.output_token_ids
+            # Greedy tokens llama.cpp (Q4_K_M) shares with this engine's plain output before they
+            # first differ: the formats differ, so the outputs part after a while.
+            run[f"{name} common_prefix_with_llama_cpp"] = _common_prefix(
+                llama_tokens, plain.output_token_ids
+            )
+        runs.append(run)
         print(json.dumps(runs[-1]), flush=True)
     llm.close()
-    summary = {
-        group: {a: statistics.median(r[a] for r in runs if r["group"] == group) for a in ARMS}
-        for group in CATEGORIES
-    }
+    summary = summarize(runs, list(engines))
     result = {
         "command": " ".join(
             ["python -m specdec.evals.baselines.llamacpp_compare", *(argv or sys.argv[1:])]
@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "environment": environment_info(),
         "cpu_flags": vector_flags_summary(),
-        "specdec_dtype": str(engine.dtype).removeprefix("torch."),
+        "arms": {
+            name: str(engine.dtype).removeprefix("torch.") for name, engine in engines.items()
+        },
         "llama_cpp_gguf": gguf.name,
         "draft": DEFAULT_DRAFT,
         "max_tokens": args.max_tokens,
@@ -162,6 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def summarize(runs: list[dict], arm_names: list[str]) -> dict[str, dict[str, float]]:
+    """Per prompt group, the median decode rate of llama.cpp and of each arm's plain and
+    adaptive decode."""
+    columns = [LLAMA_CPP] + [
+        f"{name} {mode}" for name in arm_names for mode in ("plain", "adaptive")
+    ]
+    groups = dict.fromkeys(r["group"] for r in runs)
+    return {
+        group: {c: statistics.median(r[c] for r in runs if r["group"] == group) for c in columns}
+        for group in groups
+    }
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """Tokens ``a`` and ``b`` share before they first differ."""
     from specdec.evals.greedy_check import first_difference
@@ -172,6 +187,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def markdown(result: dict) -> str:
     env = result["environment"]
+    arms = ", ".join(f"`{name}` ({dtype})" for name, dtype in result["arms"].items())
     lines = [
         "# llama.cpp and this engine on the same CPU",
         "",
@@ -179,20 +195,21 @@ def markdown(result: dict) -> str:
         f"({result['cpu_flags']}), {env['torch_threads']} threads. Batch 1, greedy, EOS "
         f"ignored, {result['max_tokens']} tokens per prompt, arms interleaved prompt by prompt. "
         f"llama.cpp: `{result['llama_cpp_gguf']}` (Q4_K_M) with its CPU kernels, plain decode. "
-        f"This engine: the same GGUF files dequantized to {result['specdec_dtype']}, plain and "
-        "adaptive speculative decode with the draft. Decode tokens per second after the first "
-        "token, median over prompts.",
+        f"This engine: the same GGUF files in the formats {arms} "
+        "(target dtype:quantization/draft quantization), plain and adaptive speculative decode "
+        "with the draft. Decode tokens per second after the first token, median over prompts; "
+        "in brackets, the ratio to llama.cpp.",
         "",
-        "| prompts | llama.cpp Q4_K_M plain | specdec plain | specdec adaptive | adaptive / llama.cpp |",
-        "|---|---|---|---|---|",
+        "| prompts | llama.cpp Q4_K_M plain | "
+        + " | ".join(f"{name} {mode}" for name in result["arms"] for mode in ("plain", "adaptive"))
+        + " |",
+        "|---|---|" + "---|" * (2 * len(result["arms"])),
     ]
     for group, s in result["summary"].items():
-        ratio = s["specdec_adaptive"] / s["llama_cpp_q4_k_m_plain"]
-        lines.append(
-            f"| {group} | {s['llama_cpp_q4_k_m_plain']:.2f} | {s['specdec_plain']:.2f} "
-            f"| {s['specdec_adaptive']:.2f} | {ratio:.2f} |"
-        )
-    same = all(r["specdec_spec_equals_plain"] for r in result["runs"])
+        base = s[LLAMA_CPP]
+        cells = [f"{s[c]:.2f} ({s[c] / base:.2f}x)" for c in s if c != LLAMA_CPP]
+        lines.append(f"| {group} | {base:.2f} | " + " | ".join(cells) + " |")
+    same = all(v for r in result["runs"] for k, v in r.items() if k.endswith("spec_equals_plain"))
     lines += ["", f"specdec speculative output equal to its plain output on every prompt: {same}."]
     return "\n".join(lines) + "\n"
 

@@ -236,18 +236,12 @@ def measure_cost(
             # Weight bytes one decode forward reads: every decoder layer, the final norm and the
             # head's rows (one embedding row is negligible).
             "draft_weight_bytes_per_forward": {
-                name: _bytes_read(runner.model) for name, (runner, _) in arms.items()
+                name: runner.model.weight_bytes() for name, (runner, _) in arms.items()
             },
             "target_ms": {n: med(v) for n, v in target.items() if v},
         }
     finally:
         engine.allocator.free(seq)
-
-
-def _bytes_read(model) -> int:
-    packed = [m._packed for m in model.modules() if getattr(m, "_packed", None) is not None]
-    plain = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
-    return sum(t.numel() * t.element_size() for t in packed + plain)
 
 
 def estimate(acceptance: dict, cost: dict, k: int) -> list[dict]:
