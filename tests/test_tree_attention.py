@@ -627,3 +627,55 @@ def test_tree_rows_are_bitwise_the_decode_of_their_path_in_bf16(seed: int) -> No
             q[j : j + 1], k_new[j : j + 1], v_new[j : j + 1], k_cache, v_cache, decode
         )
         assert torch.equal(row[0], tree_out[j]), j
+
+
+def _verify_and_decodes(dtype: torch.dtype, context: int, q_len: int, seed: int = 0):
+    """A verify of ``q_len`` rows after ``context`` keys, and each of its rows again as the plain
+    decode of its position (the same pool and pages): (verify rows, decode rows)."""
+    heads, kv_heads, dim, page = 14, 2, 64, 16  # the default draft's GQA group of 7
+    backend = TorchAttentionBackend(heads, kv_heads, dim, CPU)
+    g = torch.Generator().manual_seed(seed)
+    pool = -(-(context + q_len) // page)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    k_cache, v_cache = rand(pool, page, kv_heads, dim), rand(pool, page, kv_heads, dim)
+    table = list(range(pool))
+    q, k_new, v_new = (
+        rand(q_len, heads, dim),
+        rand(q_len, kv_heads, dim),
+        rand(q_len, kv_heads, dim),
+    )
+    meta = build_attention_metadata([q_len], [context + q_len], [table], page, CPU)
+    backend.plan(meta)
+    verify = backend.forward(q, k_new, v_new, k_cache, v_cache, meta)
+    decodes = []
+    for r in range(q_len):
+        one = build_attention_metadata([1], [context + r + 1], [table], page, CPU)
+        backend.plan(one)
+        rows = slice(r, r + 1)
+        decodes.append(backend.forward(q[rows], k_new[rows], v_new[rows], k_cache, v_cache, one))
+    return verify, torch.cat(decodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context", [1, 40, 495, 509, 700])
+def test_verify_rows_are_bitwise_the_decode_of_their_position(dtype, context) -> None:
+    """Greedy speculative output equals plain output only if a verified row's logits are plain
+    decode's bit for bit: each row is computed over exactly its own keys."""
+    for q_len in (2, 7, 17):
+        verify, decodes = _verify_and_decodes(dtype, context, q_len)
+        assert torch.equal(verify, decodes), (q_len, context)
+
+
+def test_one_masked_call_for_a_verify_would_round_differently(monkeypatch) -> None:
+    # The negative control: over more keys than a row sees (masked), the sums are blocked
+    # differently and the last bits move, which is why verify rows go one by one.
+    monkeypatch.setattr("specdec.engine.attention.torch_backend.ROW_BY_ROW_MAX", 1)
+    differs = [
+        not torch.equal(*_verify_and_decodes(dtype, context, 7))
+        for dtype in (torch.float32, torch.bfloat16)
+        for context in (1, 40, 495, 700)
+    ]
+    assert any(differs)

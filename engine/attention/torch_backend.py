@@ -3,11 +3,15 @@
 It is the CPU path and the oracle the FlashInfer backend is tested against. Per-sequence work is a
 Python loop, fine for the batch sizes a CPU serves; on GPU the FlashInfer backend takes over.
 
-A sequence with a tree mask is computed row by row: each row attends to its visible keys gathered
-into one contiguous run (the context, then its ancestors, then itself), the very call a plain
-decode makes at that position. A masked call over the tree's scattered slots would sum the same
-terms in another blocking, and in bf16 that rounding difference can flip a greedy token; this way
-a tree node's logits are bit for bit those of plain decode, in every format.
+Rows that are sampled from (a decode, a verify of up to 1 + MAX_SPECULATIVE_TOKENS rows, a tree)
+are computed one by one, each over exactly the keys it sees as one contiguous run: the very call
+a plain decode makes at that position. One masked call over a longer run of keys sums the same
+terms in another blocking (a softmax and a product over more keys, some masked), which rounds
+differently in fp32 and bf16 and can flip a greedy token; row by row, a verified or tree row's
+logits are bit for bit those of plain decode. Longer runs (prompt chunks) take one masked call.
+Every call passes 4-D tensors, which selects torch's fused CPU attention kernel (the 3-D form
+falls back to unfused matrix products: several times slower at a few hundred keys and over ten
+times at two thousand).
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from specdec.engine.attention.base import (
     write_kv,
 )
 from specdec.engine.attention.kv_format import decode
+from specdec.engine.config import MAX_SPECULATIVE_TOKENS
+
+# Sequences with at most this many new rows are computed row by row (module docstring): every
+# verify of a chain fits, and a prompt's short last chunk costs a few calls more.
+ROW_BY_ROW_MAX = MAX_SPECULATIVE_TOKENS + 1
 
 
 @dataclass
@@ -31,8 +40,7 @@ class _SeqPlan:
     q_len: int
     kv_len: int
     pages: torch.Tensor  # [num_pages] int64 block ids covering kv_len
-    # [group * q_len, kv_len] bool; None for a one-row sequence (sees all) or a tree
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None  # [group * q_len, kv_len] bool, for one masked call
     # a tree's rows: the key positions each one sees, in order (None without a tree)
     row_keys: list[torch.Tensor] | None = None
 
@@ -54,7 +62,7 @@ class TorchAttentionBackend(AttentionBackend):
             if tree is not None:
                 visible = sequence_mask(q_len, kv_len, tree, self.device)
                 row_keys = [row.nonzero().flatten() for row in visible]
-            elif q_len > 1:
+            elif q_len > ROW_BY_ROW_MAX:
                 # Bottom-right causal, repeated per query head of a KV group (see forward), once
                 # per step, not per layer.
                 mask = sequence_mask(q_len, kv_len, None, self.device).repeat(group, 1)
@@ -70,16 +78,27 @@ class TorchAttentionBackend(AttentionBackend):
             if sp.row_keys is not None:
                 self._tree_rows(q, k_cache, v_cache, sp, out)
                 continue
-            keys = k_cache[sp.pages].flatten(0, 1)[: sp.kv_len].transpose(0, 1)  # [Hkv, kv, D]
-            values = v_cache[sp.pages].flatten(0, 1)[: sp.kv_len].transpose(0, 1)
+            # [Hkv, kv, D] in the model dtype
+            keys = decode(k_cache[sp.pages].flatten(0, 1)[: sp.kv_len], q.dtype).transpose(0, 1)
+            values = decode(v_cache[sp.pages].flatten(0, 1)[: sp.kv_len], q.dtype).transpose(0, 1)
+            if sp.mask is None:  # row by row, each over the keys up to its own
+                rows = q[sp.q_start : sp.q_start + sp.q_len].view(sp.q_len, 1, hkv, group, dim)
+                keys, values = keys[None], values[None]
+                first = sp.kv_len - sp.q_len
+                for r in range(sp.q_len):
+                    seen = first + r + 1
+                    o = F.scaled_dot_product_attention(
+                        rows[r], keys[:, :, :seen], values[:, :, :seen], scale=self.scale
+                    )
+                    out[sp.q_start + r] = o.view(-1, dim)
+                continue
             # GQA without copying K/V per query head: the `group` query heads sharing a KV head
             # become extra rows of one attention problem per KV head.
             qs = q[sp.q_start : sp.q_start + sp.q_len].view(sp.q_len, hkv, group, dim)
-            qs = qs.permute(1, 2, 0, 3).reshape(hkv, group * sp.q_len, dim)
+            qs = qs.permute(1, 2, 0, 3).reshape(1, hkv, group * sp.q_len, dim)
             o = F.scaled_dot_product_attention(
-                qs, decode(keys, q.dtype), decode(values, q.dtype), attn_mask=sp.mask,
-                scale=self.scale,
-            )  # [Hkv, group * q_len, D]  # fmt: skip
+                qs, keys[None], values[None], attn_mask=sp.mask, scale=self.scale
+            )  # [1, Hkv, group * q_len, D]
             o = o.view(hkv, group, sp.q_len, dim).permute(2, 0, 1, 3)
             out[sp.q_start : sp.q_start + sp.q_len] = o.reshape(sp.q_len, -1, dim)
         return out
@@ -92,6 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         for r, idx in enumerate(sp.row_keys or []):
             keys = decode(all_keys.index_select(0, idx).transpose(0, 1), q.dtype)  # [Hkv, n, D]
             values = decode(all_values.index_select(0, idx).transpose(0, 1), q.dtype)
-            qs = q[sp.q_start + r].view(hkv, group, dim)
-            o = F.scaled_dot_product_attention(qs, keys, values, scale=self.scale)
-            out[sp.q_start + r] = o.reshape(-1, dim)
+            # The call a plain decode makes at this position (forward's row-by-row loop).
+            qs = q[sp.q_start + r].view(1, hkv, group, dim)
+            o = F.scaled_dot_product_attention(qs, keys[None], values[None], scale=self.scale)
+            out[sp.q_start + r] = o.view(-1, dim)
