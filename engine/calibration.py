@@ -19,7 +19,7 @@ import json
 import logging
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -195,7 +195,7 @@ def measure(
     if draft is not None:
         # Draft forwards of 1-2 rows per sequence, and two catch-ups of one sequence: a draft
         # reading a prompt is compute-bound, its rows several times a decode row's price.
-        draft_shapes = sorted({(s, r, SHORT_CONTEXT) for s in sizes for r in (1, 2)})
+        draft_shapes = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes)})
         draft_shapes += [(1, 16, SHORT_CONTEXT), (1, 64, SHORT_CONTEXT)]
         _run_in_budget(
             draft_shapes,
@@ -219,16 +219,30 @@ def _batch_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
+# Rows a draft forward feeds per sequence: one drafted token, or two after a verify (the bonus
+# token and the last accepted draft).
+DRAFT_ROWS_PER_SEQUENCE = (1, 2)
+
+
+def verify_grid(sizes: Iterable[int], k_max: int, max_rows: int) -> list[tuple[int, int]]:
+    """(sequences, rows each) of every uniform step, k in 0..k_max drafts per sequence at these
+    batch sizes, that fits in ``max_rows``."""
+    return [(s, r) for s in sizes for r in range(1, k_max + 2) if s * r <= max_rows]
+
+
+def draft_grid(sizes: Iterable[int]) -> list[tuple[int, int]]:
+    """(sequences, rows each) of the draft forwards a step runs at these batch sizes."""
+    return [(s, r) for s in sizes for r in DRAFT_ROWS_PER_SEQUENCE]
+
+
 def _verify_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[tuple[int, int, int]]:
-    """(sequences, rows each, context) for every row count a uniform k in 0..k_max gives at
-    these batch sizes, fewest rows first; where several share a row count, the most sequences
-    (the plain step when there is one, which every speculating choice is weighed against)."""
+    """(sequences, rows each, context) for every row count of the verify grid, fewest rows
+    first; where several share a row count, the most sequences (the plain step when there is
+    one, which every speculating choice is weighed against)."""
     by_rows: dict[int, tuple[int, int]] = {}
-    for s in sizes:
-        for r in range(1, k_max + 2):
-            n = s * r
-            if n <= max_rows and s > by_rows.get(n, (0, 0))[0]:
-                by_rows[n] = (s, r)
+    for s, r in verify_grid(sizes, k_max, max_rows):
+        if s > by_rows.get(s * r, (0, 0))[0]:
+            by_rows[s * r] = (s, r)
     return [(*by_rows[n], SHORT_CONTEXT) for n in sorted(by_rows)]
 
 

@@ -43,6 +43,14 @@ def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
     return any(f in flags for f in BF16_FLAGS)
 
 
+def has_fbgemm() -> bool:
+    """True where torch has fbgemm's quantized kernels (x86 builds), which int8 and int4 drafts
+    run on."""
+    import torch
+
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 def vector_flags_summary(flags: frozenset[str] | None = None) -> str:
     """The flags above that this CPU has, space separated (for result files)."""
     flags = cpu_flags() if flags is None else flags

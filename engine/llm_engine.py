@@ -31,6 +31,7 @@ from specdec.engine.loader import (
     check_quantization,
     load_model,
     resolve_device,
+    resolve_draft_quantization,
     resolve_dtype,
 )
 from specdec.engine.model_runner import ModelRunner, RunEntry
@@ -85,12 +86,19 @@ class LLMEngine:
         progress: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        self.device = resolve_device(config.device)
+        # The draft's format, resolved once (a draft handed in built keeps its own under 'auto'):
+        # everything after (loading, the calibration cache's key, /health) sees what runs.
+        if draft is not None and config.draft_quantization == "auto":
+            draft_format = draft.model.quantization
+        else:
+            draft_format = resolve_draft_quantization(config.draft_quantization, self.device)
+        config = dataclasses.replace(config, draft_quantization=draft_format)
         self.config = config
         # Seconds for every step time the engine measures (a replay injects simulated time).
         self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         if self.device.type != "cpu" and {config.quantization, config.draft_quantization} != {

@@ -51,7 +51,7 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
     import time
 
     import torch
-    from specdec.engine.calibration import time_forward
+    from specdec.engine.calibration import draft_grid, time_forward, verify_grid
     from specdec.engine.gpu_sampling import probs_for_rows, sample_from_probs
     from specdec.engine.sampling import RowContext
     from specdec.engine.sampling_params import SamplingParams
@@ -78,7 +78,7 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
         return out
 
     max_rows = target_engine.config.max_num_batched_tokens
-    grid = [(s, r) for s in BATCH_SIZES for r in range(1, MAX_K + 2) if s * r <= max_rows]
+    grid = verify_grid(BATCH_SIZES, MAX_K, max_rows)
     grid += [(1, r) for r in PREFILL_ROWS if r > MAX_K + 1 and r <= max_rows]
     # warm-up: the first forwards pay one-off allocations
     sweep(target_engine, [(1, 1)], SHORT_CONTEXT, True)
@@ -91,9 +91,8 @@ def measure_cost_table(target_engine, draft_engine, repeats: int = 2) -> dict:
     table["target_prefill_context"] = [
         row for c in PREFILL_CONTEXTS for row in sweep(target_engine, [(1, 512)], c, False)
     ]
-    draft_grid = [(s, r) for s in BATCH_SIZES for r in (1, 2)]
-    draft_grid += [(1, r) for r in DRAFT_CATCH_UP_ROWS]
-    table["draft"] = sweep(draft_engine, draft_grid, SHORT_CONTEXT, False)
+    draft_shapes = draft_grid(BATCH_SIZES) + [(1, r) for r in DRAFT_CATCH_UP_ROWS]
+    table["draft"] = sweep(draft_engine, draft_shapes, SHORT_CONTEXT, False)
     table["draft_context"] = [
         row for c in CONTEXTS for row in sweep(draft_engine, DRAFT_CONTEXT_SHAPES, c, False)
     ]

@@ -3,13 +3,15 @@ to greedy plain output of the same format; the dtype 'auto' choice; bad format r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from specdec.engine.config import EngineConfig
 from specdec.engine.cpu_features import has_fast_bf16, parse_cpu_flags, vector_flags_summary
 from specdec.engine.errors import ConfigError
 from specdec.engine.llm_engine import LLMEngine
-from specdec.engine.loader import resolve_dtype
+from specdec.engine.loader import resolve_draft_quantization, resolve_dtype
 from specdec.engine.models.layers import Linear
 from specdec.engine.models.quant import (
     INT4_MAX_ROWS,
@@ -174,6 +176,29 @@ def test_cpu_flags_choose_bf16_for_auto(monkeypatch):
         assert resolve_dtype("auto", cpu) == want
         assert resolve_dtype("auto", cuda) == torch.bfloat16
         assert resolve_dtype("float32", cpu) == torch.float32
+
+
+def test_draft_format_auto_is_int4_where_fbgemm_runs(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr("specdec.engine.loader.has_fbgemm", lambda: True)
+    assert resolve_draft_quantization("auto", cpu) == "int4"
+    assert resolve_draft_quantization("auto", cuda) == "none"
+    assert resolve_draft_quantization("int8-dynamic", cpu) == "int8-dynamic"
+    monkeypatch.setattr("specdec.engine.loader.has_fbgemm", lambda: False)  # e.g. an Arm CPU
+    assert resolve_draft_quantization("auto", cpu) == "none"
+    assert EngineConfig(device="cuda").draft_quantization == "auto"  # resolved to none there
+
+
+def test_a_prebuilt_draft_keeps_its_own_format_under_auto(target):
+    for built in ("none", "int4"):
+        engine = make_engine(target, target, draft_quantization=built)
+        again = LLMEngine(
+            dataclasses.replace(engine.config, draft_quantization="auto"),
+            target=loaded_from_hf(target),
+            draft=loaded_from_hf(target, quantization=built),
+            progress=False,
+        )
+        assert again.config.draft_quantization == built
 
 
 @pytest.mark.parametrize(

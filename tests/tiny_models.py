@@ -74,6 +74,8 @@ def make_engine(target_hf, draft_hf=None, **overrides) -> LLMEngine:
         max_num_batched_tokens=64,
         device="cpu",
         dtype="float32",
+        # Tests of the engine's logic pin the draft's format (a test asking for another says so).
+        draft_quantization="none",
         controller_warmup=False,
     )
     defaults.update(overrides)

@@ -14,7 +14,7 @@ import torch
 from specdec.engine.attention.base import AttentionBackend, AttentionMetadata
 from specdec.engine.models.arch import ModelArch
 from specdec.engine.models.fused_ops import FusedOps
-from specdec.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from specdec.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, Rotation, SwiGLU
 from torch import nn
 
 
@@ -34,8 +34,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        rotate: Rotation,  # the rotary embedding at this forward's positions
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         meta: AttentionMetadata,
@@ -45,7 +44,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = rotate(q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -66,8 +65,7 @@ class DecoderLayer(nn.Module):
         self,
         h: torch.Tensor,  # [T, hidden]: the previous block's output (the embeddings at layer 0)
         residual: torch.Tensor | None,  # [T, hidden]: the stream before h; None at layer 0
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rotate: Rotation,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         meta: AttentionMetadata,
@@ -76,7 +74,7 @@ class DecoderLayer(nn.Module):
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm.add_and_norm(h, residual)
-        a = self.self_attn(x, positions, rope, kv_cache, backend, meta)
+        a = self.self_attn(x, rotate, kv_cache, backend, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(a, residual)
         return self.mlp(x), residual
 
@@ -126,8 +124,9 @@ class DecoderLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # last block's output and residual, [T, hidden]
         """Every decoder block, with attention planned already (`backend.plan(meta)`)."""
         h, residual = self.embed_tokens(input_ids), None
+        rotate = self.rope.at(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, positions, self.rope, kv, backend, meta)
+            h, residual = layer(h, residual, rotate, kv, backend, meta)
         assert residual is not None  # a model has at least one layer
         return h, residual
 

@@ -8,6 +8,7 @@ fused kernels) runs instead (`DecoderLM.use_fused_ops`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -181,6 +182,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 SUPPORTED_ROPE_SCALING = ("default", "llama3", "linear")
 
 
+# (q [T, Hq, D], k [T, Hkv, D]) -> the same, rotated to their positions
+Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the Hugging Face layout used by both Qwen2 and Llama checkpoints)."""
 
@@ -216,12 +221,28 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
+        return self.at(positions)(q, k)
+
+    def at(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of q and k at ``positions`` ([T]), for every layer of one forward: the
+        angles are gathered once, and q and k turn as one tensor (element-wise work, so the same
+        bits, in half the kernel calls a small model's CPU decode step is mostly made of)."""
         if self.ops is not None:  # rotates q and k where they are
-            self.ops.rope_(positions, q, k, self.cos_sin_cache())
-            return q, k
+            ops, table = self.ops, self.cos_sin_cache()
+
+            def fused(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                ops.rope_(positions, q, k, table)
+                return q, k
+
+            return fused
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+        def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # [T, Hq + Hkv, D]
+            return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
+
+        return rotate
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
