@@ -1,7 +1,8 @@
 """llama.cpp against this engine on the same CPU, the same GGUF files and the same prompt ids.
 
 llama.cpp (through its Python binding, ``llama-cpp-python``, installed apart from this project)
-decodes the default pair's Q4_K_M target GGUF natively, with plain greedy decode (its speculative
+decodes the default pair's Q4_K_M target GGUF (or another GGUF of the target, ``--llama-cpp-gguf``)
+natively, with plain greedy decode (its speculative
 mode with the draft lost to its own plain decode when measured, so plain is its best arm). This
 engine runs the same GGUF files in the formats ``--arms`` names (``dtype:quantization/
 draft_quantization``, as the formats benchmark spells them; default: the engine's defaults), each
@@ -17,6 +18,10 @@ which leaves llama.cpp's next tile instruction illegal when both share a process
     pip install llama-cpp-python   # into any environment that can import this project
     python -m specdec.evals.baselines.llamacpp_compare --output-dir docs/results/bench \
         --arms auto:none/none,auto:none/int4
+
+A Q8_0 file of the target for ``--llama-cpp-gguf`` comes from llama.cpp's own quantizer, through
+the same binding (``write_q8_0``): requantized from the Q4_K_M file, so it decodes at Q8_0's speed
+(bytes per weight set it) with Q4_K_M's weights.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 from pathlib import Path
 
 CATEGORIES = {"code": ("code_generation", "code_editing"), "chat": ("multi_turn_chat",)}
-LLAMA_CPP = "llama_cpp_q4_k_m_plain"
+LLAMA_CPP = "llama_cpp_plain"
 
 
 def llama_cpp_decode(llm, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -48,6 +53,26 @@ def llama_cpp_decode(llm, ids: list[int], max_tokens: int) -> tuple[list[int], f
             break
     rate = (len(tokens) - 1) / (time.perf_counter() - first_at) if len(tokens) > 1 else 0.0
     return tokens, rate
+
+
+def gguf_file_type(path: str) -> str:
+    """The GGUF's weight format as llama.cpp names it, e.g. ``Q4_K_M``."""
+    import gguf
+
+    field = gguf.GGUFReader(path).fields["general.file_type"]
+    return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+
+
+def write_q8_0(source: str, out: str, threads: int) -> None:
+    """llama.cpp's quantizer: ``source`` (any GGUF of the model) as Q8_0 at ``out``."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.nthread = threads
+    params.allow_requantize = True
+    if llama_cpp.llama_model_quantize(source.encode(), out.encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to Q8_0")
 
 
 def _llama_cpp_worker(conn, gguf: str, threads: int) -> None:
@@ -85,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--llama-cpp-gguf",
+        default=None,
+        help="the target GGUF llama.cpp decodes (default: the default target's Q4_K_M file); "
+        "'q8_0' writes and uses a Q8_0 file of it (see the module docstring)",
+    )
+    ap.add_argument(
         "--arms",
         default="auto:none/none",
         help="this engine's formats, comma-separated DTYPE:QUANTIZATION/DRAFT_QUANTIZATION",
@@ -112,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     engines = {arm.name: LLMEngine(arm.config(args.threads, 4096), progress=False) for arm in arms}
     tokenizer = next(iter(engines.values())).tokenizer
     gguf = specdec_home() / "gguf" / f"{DEFAULT_TARGET}.gguf"
+    if args.llama_cpp_gguf == "q8_0":
+        q8 = gguf.with_name(f"{DEFAULT_TARGET}.q8_0.gguf")
+        if not q8.exists():
+            write_q8_0(str(gguf), str(q8), args.threads)
+        gguf = q8
+    elif args.llama_cpp_gguf:
+        gguf = Path(args.llama_cpp_gguf)
     llm = LlamaCppProcess(str(gguf), args.threads)
     prompts = []
     for group, categories in CATEGORIES.items():
@@ -132,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             run[f"{name} plain"] = decode_rate(plain)
             run[f"{name} adaptive"] = decode_rate(spec)
             run[f"{name} spec_equals_plain"] = spec.output_token_ids == plain.output_token_ids
-            # Greedy tokens llama.cpp (Q4_K_M) shares with this engine's plain output before they
+            # Greedy tokens llama.cpp shares with this engine's plain output before they
             # first differ: the formats differ, so the outputs part after a while.
             run[f"{name} common_prefix_with_llama_cpp"] = _common_prefix(
                 llama_tokens, plain.output_token_ids
@@ -152,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             name: str(engine.dtype).removeprefix("torch.") for name, engine in engines.items()
         },
         "llama_cpp_gguf": gguf.name,
+        "llama_cpp_file_type": gguf_file_type(str(gguf)),
         "draft": DEFAULT_DRAFT,
         "max_tokens": args.max_tokens,
         "summary": summary,
@@ -188,19 +227,20 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def markdown(result: dict) -> str:
     env = result["environment"]
     arms = ", ".join(f"`{name}` ({dtype})" for name, dtype in result["arms"].items())
+    fmt = result["llama_cpp_file_type"]
     lines = [
         "# llama.cpp and this engine on the same CPU",
         "",
         f"Command: `{result['command']}` at commit {result['commit']}. Machine: {env['cpu']} "
         f"({result['cpu_flags']}), {env['torch_threads']} threads. Batch 1, greedy, EOS "
         f"ignored, {result['max_tokens']} tokens per prompt, arms interleaved prompt by prompt. "
-        f"llama.cpp: `{result['llama_cpp_gguf']}` (Q4_K_M) with its CPU kernels, plain decode. "
+        f"llama.cpp: `{result['llama_cpp_gguf']}` ({fmt}) with its CPU kernels, plain decode. "
         f"This engine: the same GGUF files in the formats {arms} "
         "(target dtype:quantization/draft quantization), plain and adaptive speculative decode "
         "with the draft. Decode tokens per second after the first token, median over prompts; "
         "in brackets, the ratio to llama.cpp.",
         "",
-        "| prompts | llama.cpp Q4_K_M plain | "
+        f"| prompts | llama.cpp {fmt} plain | "
         + " | ".join(f"{name} {mode}" for name in result["arms"] for mode in ("plain", "adaptive"))
         + " |",
         "|---|---|" + "---|" * (2 * len(result["arms"])),
