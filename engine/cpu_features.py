@@ -43,12 +43,14 @@ def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
     return any(f in flags for f in BF16_FLAGS)
 
 
-def has_fbgemm() -> bool:
-    """True where torch has fbgemm's quantized kernels (x86 builds), which int8 and int4 drafts
-    run on."""
+def has_fast_int4_draft(flags: frozenset[str] | None = None) -> bool:
+    """True where an int4 draft runs fast: torch's CPU int4 kernel is vectorised for AVX-512
+    (with AVX2 only it measured about twice as slow), and the draft's many-row path is fbgemm's
+    (x86 builds of torch)."""
     import torch
 
-    return "fbgemm" in torch.backends.quantized.supported_engines
+    flags = cpu_flags() if flags is None else flags
+    return "avx512f" in flags and "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def vector_flags_summary(flags: frozenset[str] | None = None) -> str:

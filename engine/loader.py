@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from specdec.engine.cpu_features import has_fast_bf16, has_fbgemm
+from specdec.engine.cpu_features import has_fast_bf16, has_fast_int4_draft
 from specdec.engine.models import ModelArch, build_model, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
 
@@ -48,12 +48,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_draft_quantization(name: str, device: torch.device) -> str:
-    """'auto': int4 on CPUs with fbgemm (x86), whose int4 and int8 kernels the int4 draft runs
-    on (measured there to draft faster than int8 or unquantized drafts at the same acceptance);
-    'none' on CUDA and other CPUs. A draft's format changes acceptance, never the output."""
+    """'auto': int4 on CPUs where its kernels are fast (AVX-512 and fbgemm: measured there to
+    draft in half a bf16 draft's time at the same acceptance); 'none' on CUDA and on other CPUs,
+    where it is not measured. A draft's format changes acceptance, never the output."""
     if name != "auto":
         return name
-    if device.type == "cpu" and has_fbgemm():
+    if device.type == "cpu" and has_fast_int4_draft():
         return "int4"
     return "none"
 

@@ -8,7 +8,12 @@ import dataclasses
 import pytest
 import torch
 from specdec.engine.config import EngineConfig
-from specdec.engine.cpu_features import has_fast_bf16, parse_cpu_flags, vector_flags_summary
+from specdec.engine.cpu_features import (
+    has_fast_bf16,
+    has_fast_int4_draft,
+    parse_cpu_flags,
+    vector_flags_summary,
+)
 from specdec.engine.errors import ConfigError
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.loader import resolve_draft_quantization, resolve_dtype
@@ -178,13 +183,14 @@ def test_cpu_flags_choose_bf16_for_auto(monkeypatch):
         assert resolve_dtype("float32", cpu) == torch.float32
 
 
-def test_draft_format_auto_is_int4_where_fbgemm_runs(monkeypatch):
+def test_draft_format_auto_is_int4_where_its_kernels_are_fast(monkeypatch):
+    assert not has_fast_int4_draft(parse_cpu_flags("flags : fpu avx2 fma\n"))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr("specdec.engine.loader.has_fbgemm", lambda: True)
+    monkeypatch.setattr("specdec.engine.loader.has_fast_int4_draft", lambda: True)
     assert resolve_draft_quantization("auto", cpu) == "int4"
     assert resolve_draft_quantization("auto", cuda) == "none"
     assert resolve_draft_quantization("int8-dynamic", cpu) == "int8-dynamic"
-    monkeypatch.setattr("specdec.engine.loader.has_fbgemm", lambda: False)  # e.g. an Arm CPU
+    monkeypatch.setattr("specdec.engine.loader.has_fast_int4_draft", lambda: False)  # AVX2 only
     assert resolve_draft_quantization("auto", cpu) == "none"
     assert EngineConfig(device="cuda").draft_quantization == "auto"  # resolved to none there
 

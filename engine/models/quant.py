@@ -15,8 +15,9 @@ bytes of fp32 and measured fastest of the int8 paths torch offers on CPU (docs/f
   whose value never depends on the other rows. Greedy speculative output stays equal to greedy
   plain output of the same int8 model (tests/test_formats.py checks this on the machine).
 - ``Int4Draft`` (scheme "int4", drafts only): 4-bit weights in groups along the input with a
-  scale and offset per group, multiplied by torch's CPU int4 weight-only kernel, which reads an
-  eighth of fp32's bytes and is the fastest path for a few rows; it does per row what a dense
+  scale and offset per group, multiplied by torch's CPU int4 weight-only kernel (bf16
+  activations, whatever the model's dtype), which reads an eighth of fp32's bytes and is the
+  fastest path for a few rows on AVX-512 CPUs; it does per row what a dense
   product does per block of rows, so its cost grows with the rows and, from a handful of rows on,
   an fbgemm int8-dynamic copy of the same weight takes over (catch-up reads, prompt prefill,
   large batches). Which copy runs depends on the batch, so rows depend on their batch-mates:
@@ -156,9 +157,9 @@ class Int4Draft:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
         del q
         # [in / group, out, 2]: the kernel's layout of (scale, offset) per group and channel, in
-        # the activations' dtype (the model's), as the kernel requires.
+        # the dtype of the activations it is given (bf16, below).
         self.scales_and_offsets = (
-            torch.stack((scale.t(), offset.t()), dim=-1).to(weight.dtype).contiguous()
+            torch.stack((scale.t(), offset.t()), dim=-1).to(torch.bfloat16).contiguous()
         )
         self.many_rows = Int8Dynamic(weight)
         self.nbytes = (
@@ -171,9 +172,11 @@ class Int4Draft:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > INT4_MAX_ROWS:
             return self.many_rows(x, bias)
-        scales = self.scales_and_offsets.to(x.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, scales)
-        y = y[:, : self.out_features]
+        # The kernel's vectorised path takes bf16 activations (fp32 ones ran ~30x slower).
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, self.group, self.scales_and_offsets
+        )
+        y = y[:, : self.out_features].to(x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y
