@@ -92,8 +92,19 @@ def machine_description(device: torch.device, dtype: torch.dtype, models: list[s
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        # A release can change the kernels (and so every timing) on the same machine.
+        "specdec": _package_version(),
         "models": models,
     }
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdec")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "source"
 
 
 def cpu_model() -> str:
