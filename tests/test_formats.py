@@ -128,6 +128,10 @@ def test_quantize_model_converts_every_linear_and_shrinks_the_weights(target):
     assert all(isinstance(m.kernel, Int8RowScaled) for m in linears)
     bytes_of = lambda model: sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))  # noqa: E731
     assert bytes_of(quantized) < 0.3 * bytes_of(plain)
+    # What a forward computes with: every fp32 parameter of the checkpoint but the embeddings.
+    want = sum(p.numel() * 4 for n, p in target.named_parameters() if "embed_tokens" not in n)
+    assert plain.weight_bytes() == want
+    assert quantized.weight_bytes() < 0.3 * want + 4096  # int8 matrices; biases, norms as they were
     with pytest.raises(ValueError, match="plain CPU weights"):
         quantize_model(quantized, "int8")  # already converted: no plain weights left
     with pytest.raises(ValueError, match="unknown quantization"):

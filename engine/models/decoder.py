@@ -160,16 +160,16 @@ class DecoderLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes held by the weights a forward computes with: every linear layer in the form it
-        is kept (int4 drafts hold an int8 copy too, and count it) and the norms; not the
-        embedding table, of which a forward reads only its tokens' rows."""
+        is kept (int4 drafts hold an int8 copy too, and count it), biases and norms; not the
+        embedding table, of which a forward reads only its tokens' rows (the head is always a
+        matrix of its own here, tied checkpoints included)."""
         linear = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear))
-        norms = sum(
+        rest = sum(
             p.numel() * p.element_size()
-            for m in self.modules()
-            if isinstance(m, RMSNorm)
-            for p in m.parameters()
+            for name, p in self.named_parameters()
+            if not name.endswith("weight") or "norm" in name
         )
-        return linear + norms
+        return linear + rest
 
     def pack_linear_weights(self) -> int:
         """Pack every Linear for the CPU fast path; returns how many were packed."""

@@ -162,8 +162,9 @@ class Int4Draft:
             torch.stack((scale.t(), offset.t()), dim=-1).to(torch.bfloat16).contiguous()
         )
         self.many_rows = Int8Dynamic(weight)
+        scales = self.scales_and_offsets
         self.nbytes = (
-            self.packed.numel() + 4 * self.scales_and_offsets.numel() + self.many_rows.nbytes
+            self.packed.numel() + scales.numel() * scales.element_size() + self.many_rows.nbytes
         )
 
     def dense(self) -> torch.Tensor:

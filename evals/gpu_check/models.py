@@ -75,17 +75,6 @@ def random_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, seed
     return model.eval()
 
 
-def decode_weight_bytes(model: DecoderLM) -> int:
-    """Bytes of weights one decode step must read: every parameter except the embedding table
-    (only the batch's rows of it are read). A tied head would read the table as the head; our
-    DecoderLM always holds its own head matrix, so counting it covers both cases."""
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" not in name:
-            total += p.numel() * p.element_size()
-    return total
-
-
 def kv_bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
     return arch.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
 

@@ -24,7 +24,6 @@ from specdec.evals.gpu_check.models import (
     Timer,
     arch_for,
     contiguous_tables,
-    decode_weight_bytes,
     eager_step,
     hbm_copy_bandwidth,
     kv_bytes_per_token,
@@ -99,7 +98,7 @@ def stage_step_timing(ctx: CheckContext) -> dict[str, Any]:
     rig = get_rig(ctx)
     timer, iters, ctx_len = Timer(ctx.device), ctx.iters, ctx.context_len
     bandwidth = ctx.results.get("stages", {}).get("bandwidth", {}).get("gb_per_s")
-    weight_bytes = decode_weight_bytes(rig.target)
+    weight_bytes = rig.target.weight_bytes()  # what one decode step reads, embeddings aside
     kv_token = kv_bytes_per_token(rig.t_arch, ctx.dtype)
     rows = []
     for batch in ctx.batch_sizes:
