@@ -100,9 +100,15 @@ class EngineConfig:
             not (self.kv_cache_dtype == "int8" and self.device == "cuda"),
             "--kv-cache-dtype int8 is a CPU format: use fp8 on CUDA",
         )
+        # The batch-dependent draft formats may serve a model that never verifies drafts (the
+        # draft served as its own model, or a plain server): no speculative output to keep
+        # equal to plain output there, only rows that depend on their batch-mates.
+        plain_only = tuple(q for q in DRAFT_QUANTIZATIONS if q not in QUANTIZATIONS + ("auto",))
         check(
-            self.quantization in QUANTIZATIONS,
-            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+            self.quantization in QUANTIZATIONS
+            or (self.quantization in plain_only and self.speculative_method == "none"),
+            f"quantization must be one of {QUANTIZATIONS} ({', '.join(plain_only)} only with "
+            f"speculative_method none: their rows depend on the batch), got {self.quantization!r}",
         )
         check(
             self.draft_quantization in DRAFT_QUANTIZATIONS,

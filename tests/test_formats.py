@@ -217,12 +217,20 @@ def test_a_prebuilt_draft_keeps_its_own_format_under_auto(target):
         ({"quantization": "int4"}, "quantization must be one of"),
         ({"draft_quantization": "int8-dynamic-please"}, "draft_quantization must be one of"),
         ({"quantization": "int8-dynamic"}, "quantization must be one of"),  # target: row-exact only
+        ({"quantization": "int4"}, "only with speculative_method none"),
         ({"device": "cuda", "quantization": "int8"}, "CPU formats"),
     ],
 )
 def test_bad_format_settings_are_config_errors(fields, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**fields)
+
+
+def test_a_model_that_never_verifies_drafts_may_take_a_draft_format():
+    for fmt in ("int4", "int8-dynamic"):
+        assert EngineConfig(quantization=fmt, speculative_method="none").quantization == fmt
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        EngineConfig(quantization="auto", speculative_method="none")
 
 
 def test_a_prebuilt_model_in_another_format_is_refused(target):
