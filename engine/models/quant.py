@@ -1,9 +1,10 @@
 """Quantized weight formats for `Linear` on CPU (int8, and int4 for drafts), and applying one to
 a whole model.
 
-Both schemes hold symmetric int8 weights with one scale per output channel, prepacked for fbgemm's
-dynamic int8 linear (VNNI / AVX2 int8 dot products, int32 sums), which reads a quarter of the
-bytes of fp32 and measured fastest of the int8 paths torch offers on CPU (docs/formats.md).
+The two int8 schemes hold symmetric int8 weights with one scale per output channel, prepacked
+for fbgemm's dynamic int8 linear (VNNI / AVX2 int8 dot products, int32 sums), which reads a
+quarter of the bytes of fp32 and measured fastest of the int8 paths torch offers on CPU
+(docs/formats.md).
 
 - ``Int8Dynamic`` (scheme "int8-dynamic"): fbgemm as it is. It picks one activation scale and
   zero point per call from the whole batch's range, so a row's result depends on its batch-mates;
