@@ -242,23 +242,26 @@ def sample_from_probs(
     positions: Sequence[int],  # the position in its sequence of the token each row picks
     kernels: SamplingKernels | None = None,
 ) -> torch.Tensor:  # [B] int64
-    """One token per row: picked rows (greedy, seeded) in torch, free rows in one kernel call."""
+    """One token per row: greedy rows by argmax (they are one-hot, so the race would pick the
+    same token: no noise drawn over their vocabulary), seeded rows by the reference race, free
+    rows in one kernel call (by the reference without kernels)."""
     num_rows = probs.shape[0]
     if not len(greedy) == len(seeds) == len(positions) == num_rows:
         raise ValueError(f"need {num_rows} greedy flags, seeds and positions")
     free = [b for b in range(num_rows) if not greedy[b] and seeds[b] is None]
-    if kernels is None:  # the reference draws every row with one call
-        return sample(probs, seeds, positions)
-    if len(free) == num_rows:  # the common all-unseeded batch: one call, no gathers
+    drawn = [b for b in range(num_rows) if not greedy[b]]
+    if kernels is not None and len(free) == num_rows:  # the common all-unseeded batch: no gathers
         return kernels.sample(probs)
+    if kernels is None and len(drawn) == num_rows:
+        return sample(probs, seeds, positions)
     out = probs.argmax(dim=-1)  # greedy rows; lowest id on ties
-    seeded = [b for b in range(num_rows) if not greedy[b] and seeds[b] is not None]
-    if seeded:
-        idx = torch.tensor(seeded, device=probs.device)
+    raced = drawn if kernels is None else [b for b in drawn if seeds[b] is not None]
+    if raced:
+        idx = torch.tensor(raced, device=probs.device)
         out[idx] = sample(
-            probs.index_select(0, idx), [seeds[b] for b in seeded], [positions[b] for b in seeded]
+            probs.index_select(0, idx), [seeds[b] for b in raced], [positions[b] for b in raced]
         )
-    if free:
+    if free and kernels is not None:
         idx = torch.tensor(free, device=probs.device)
         out[idx] = kernels.sample(probs.index_select(0, idx))
     return out

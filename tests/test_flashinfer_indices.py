@@ -297,6 +297,23 @@ def test_seeded_rows_do_not_depend_on_position() -> None:
     assert torch.equal(greedy, probs.argmax(-1))
 
 
+def test_reference_draws_no_noise_for_greedy_rows() -> None:
+    """Without kernels, greedy rows are picked by argmax and leave the default generator as it
+    was; a seeded row beside them draws what it draws alone."""
+    vocab = 300
+    probs = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)), -1)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    greedy = sample_from_probs(probs, [True] * 4, [None] * 4, [0] * 4)
+    assert torch.equal(greedy, probs.argmax(-1))
+    assert torch.equal(torch.get_rng_state(), before)  # no exponential draw over the vocabulary
+    mixed = sample_from_probs(probs, [True, False, True, False], [None, 7, None, 9], [0, 3, 0, 4])
+    alone = [sample_from_probs(probs[b : b + 1], [False], [s], [p])[0] for b, s, p in
+             ((1, 7, 3), (3, 9, 4))]  # fmt: skip
+    assert mixed[0] == probs[0].argmax() and mixed[2] == probs[2].argmax()
+    assert [mixed[1], mixed[3]] == alone
+
+
 def _verify_inputs(batch: int, k: int, vocab: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     target = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen) * 2, -1)
