@@ -23,6 +23,7 @@ from specdec.engine.models.quant import (
     Int4Draft,
     Int8Dynamic,
     Int8RowScaled,
+    full_range_activations,
     quantize_model,
 )
 from specdec.engine.sampling_params import SamplingParams
@@ -239,3 +240,17 @@ def test_a_prebuilt_model_in_another_format_is_refused(target):
     )
     with pytest.raises(ConfigError, match="built with quantization 'none'"):
         LLMEngine(config, target=loaded_from_hf(target), progress=False)
+
+
+def test_int8_activations_at_full_range_multiply_exactly_where_chosen():
+    # The probe's worst case through the kernel the engine runs: rows of the largest activation
+    # code times the largest weight. With 8-bit activations a saturated pair of products would
+    # show; with 7 bits (where the probe found saturation) there is none to show.
+    layer = _linear(torch.float32, out_features=16, in_features=512)
+    layer.weight.data.fill_(0.5)
+    layer.bias.data.zero_()
+    layer.set_kernel(Int8RowScaled(layer.weight))
+    x = torch.ones(3, 512)
+    x[:, 0] = 0.0
+    torch.testing.assert_close(layer(x), torch.full((3, 16), 0.5 * 511), rtol=1e-3, atol=0)
+    assert isinstance(full_range_activations(), bool)

@@ -9,12 +9,13 @@ quarter of the bytes of fp32 and measured fastest of the int8 paths torch offers
 - ``Int8Dynamic`` (scheme "int8-dynamic"): fbgemm as it is. It picks one activation scale and
   zero point per call from the whole batch's range, so a row's result depends on its batch-mates;
   offered for the draft only (a draft may be lossy: the rejection rule verifies every token).
-- ``Int8RowScaled`` (scheme "int8"): each activation row is divided by its own largest magnitude,
-  and one extra row holding -1 and +1 joins the batch, so every call's range is exactly [-1, 1]:
-  fbgemm's activation scale and zero point are then the same constants whatever the batch, each
-  row's products are exact integer sums, and multiplying the row's magnitude back gives a row
-  whose value never depends on the other rows. Greedy speculative output stays equal to greedy
-  plain output of the same int8 model (tests/test_formats.py checks this on the machine).
+- ``Int8RowScaled`` (scheme "int8"): each activation row is mapped affinely onto exactly [0, 1]
+  (its minimum to 0, its maximum to 1), so every call's range is [0, 1]: fbgemm's activation
+  scale and zero point are then the same constants whatever the batch, each row's products are
+  exact integer sums, and undoing the row's map gives a row whose value never depends on the
+  other rows. Greedy speculative output stays equal to greedy plain output of the same int8
+  model (tests/test_formats.py checks this on the machine). Activations use all 8 bits where the
+  kernel's products sum without saturating (``full_range_activations``), 7 bits elsewhere.
 - ``Int4Draft`` (scheme "int4", drafts only): 4-bit weights in groups along the input with a
   scale and offset per group, multiplied by torch's CPU int4 weight-only kernel (bf16
   activations, whatever the model's dtype), which reads an eighth of fp32's bytes and is the
@@ -27,6 +28,7 @@ quarter of the bytes of fp32 and measured fastest of the int8 paths torch offers
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -50,7 +52,10 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def _fbgemm_pack(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     """fbgemm's prepacked form of the per-channel int8 weight, and the bytes it stands for."""
-    q, scale = quantize_weight_int8(weight)
+    return _fbgemm_pack_int8(*quantize_weight_int8(weight))
+
+
+def _fbgemm_pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
     zero_points = torch.zeros(scale.numel(), dtype=torch.int64)
     with warnings.catch_warnings():
         # torch flags its quantized tensor type as deprecated; the fbgemm ops it feeds remain.
@@ -59,9 +64,25 @@ def _fbgemm_pack(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     return torch.ops.quantized.linear_prepack(qweight, None), q.numel() + 4 * scale.numel()
 
 
+@functools.cache
+def full_range_activations() -> bool:
+    """Whether fbgemm's int8 products sum exactly here with 8-bit activations. With AVX-512 VNNI
+    each product goes straight into an int32 sum; AVX2 adds pairs of products in 16 bits, which
+    saturate once activations use all 8 bits, so there activations get 7 (``reduce_range``), at
+    twice the rounding step. Probed on the kernel itself: rows of the largest activation times the
+    largest weight, where a saturated pair would show."""
+    k = 256
+    packed, _ = _fbgemm_pack_int8(
+        torch.full((16, k), 127, dtype=torch.int8), torch.full((16,), 1 / 127)
+    )
+    x = torch.ones(16, k)
+    x[:, 0] = 0.0  # the range starts at 0: the other entries quantize to 255
+    y = torch.ops.quantized.linear_dynamic(x, packed, False)
+    return bool(torch.allclose(y, torch.full_like(y, k - 1.0), rtol=1e-3))
+
+
 def _fbgemm_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    # reduce_range: 7-bit activations, so that AVX2's pairwise int8 products cannot saturate.
-    return torch.ops.quantized.linear_dynamic(x, packed, True)
+    return torch.ops.quantized.linear_dynamic(x, packed, not full_range_activations())
 
 
 def _fbgemm_dense(packed: torch.Tensor) -> torch.Tensor:
@@ -86,21 +107,26 @@ class Int8Dynamic:
 
 
 class Int8RowScaled:
-    """fbgemm int8 with per-row activation scales (row-independent results; module docstring)."""
+    """fbgemm int8 with per-row activation ranges (row-independent results; module docstring)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.packed, self.nbytes = _fbgemm_pack(weight)
-        self.range_row = torch.zeros(1, weight.shape[1])
-        self.range_row[0, :2] = torch.tensor([-1.0, 1.0])
+        # W @ 1 of the int8 weight fbgemm holds: what a row's offset contributes to its output.
+        self.row_sums = _fbgemm_dense(self.packed).sum(dim=1)  # [out] float32
 
     def dense(self) -> torch.Tensor:
         return _fbgemm_dense(self.packed)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xf = x.float()
-        magnitude = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [T, 1]
-        y = _fbgemm_linear(torch.cat((xf / magnitude, self.range_row)), self.packed)[:-1]
-        y = y * magnitude
+        lo, hi = xf.aminmax(dim=1, keepdim=True)  # [T, 1] each
+        span = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)
+        # u = (x - lo) / span puts the row's minimum at 0 and its maximum at exactly 1 (d / d is
+        # exactly 1 in floating point), so every call's range is [0, 1], where fbgemm's scale is
+        # 1/255 (or 1/127) with zero point 0 whatever the batch, and both ends are exact codes.
+        # W x = span * (W u) + lo * (W 1).
+        u = (xf - lo) / span
+        y = _fbgemm_linear(u, self.packed) * span + lo * self.row_sums
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
