@@ -3,8 +3,8 @@ a whole model.
 
 The two int8 schemes hold symmetric int8 weights with one scale per output channel, prepacked
 for fbgemm's dynamic int8 linear (VNNI / AVX2 int8 dot products, int32 sums), which reads a
-quarter of the bytes of fp32 and measured fastest of the int8 paths torch offers on CPU
-(docs/formats.md).
+quarter of the bytes of fp32 and measured fastest of the int8 paths torch offers on CPU for a
+row or two (docs/formats.md).
 
 - ``Int8Dynamic`` (scheme "int8-dynamic"): fbgemm as it is. It picks one activation scale and
   zero point per call from the whole batch's range, so a row's result depends on its batch-mates;
@@ -15,7 +15,9 @@ quarter of the bytes of fp32 and measured fastest of the int8 paths torch offers
   exact integer sums, and undoing the row's map gives a row whose value never depends on the
   other rows. Greedy speculative output stays equal to greedy plain output of the same int8
   model (tests/test_formats.py checks this on the machine). Activations use all 8 bits where the
-  kernel's products sum without saturating (``full_range_activations``), 7 bits elsewhere.
+  kernel's products sum without saturating (``full_range_activations``), 7 bits elsewhere. From
+  three rows on, oneDNN's int8 product takes over where it returns fbgemm's bits for the same
+  codes (``onednn_rows_match_fbgemm``): its cost stays flat with the rows.
 - ``Int4Draft`` (scheme "int4", drafts only): 4-bit weights in groups along the input with a
   scale and offset per group, multiplied by torch's CPU int4 weight-only kernel (bf16
   activations, whatever the model's dtype), which reads an eighth of fp32's bytes and is the
@@ -106,13 +108,66 @@ class Int8Dynamic:
         return y.to(x.dtype)
 
 
+def _activation_levels() -> int:
+    """The largest activation code: 255 with 8-bit activations, 127 with 7."""
+    return 255 if full_range_activations() else 127
+
+
+def _onednn_pack(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.onednn.qlinear_prepack(q, [1, q.shape[1]])
+
+
+def _onednn_linear(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """oneDNN's int8 product of uint8 activation codes (scale 1, zero point 0) and the
+    per-channel int8 weight: float32 [T, out]."""
+    zero_points = torch.zeros(scale.numel(), dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(
+        codes.to(torch.uint8), 1.0, 0, packed, scale, zero_points,
+        None, 1.0, 0, torch.float32, "none", [], "",
+    )  # fmt: skip
+
+
+@functools.cache
+def onednn_rows_match_fbgemm() -> bool:
+    """Whether oneDNN's int8 linear runs here and returns fbgemm's bits for the same activation
+    codes (each an exact integer sum times the channel's scale) at every row count tried, so that
+    which kernel a row goes through never changes it. Needs 8-bit activations (oneDNN is given
+    codes to 255)."""
+    if not full_range_activations():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (48, 4096), generator=gen, dtype=torch.int8)
+    scale = torch.rand(48, generator=gen) / 100 + 1e-4
+    codes = torch.randint(0, 256, (16, 4096), generator=gen).float()
+    codes[:, :2] = torch.tensor([0.0, 255.0])  # each row spans the whole range
+    try:
+        packed = _onednn_pack(q)
+        rows = [_onednn_linear(codes[:m], packed, scale) for m in (1, INT8_ONEDNN_MIN_ROWS, 7, 16)]
+    except (RuntimeError, AttributeError):  # no oneDNN int8 in this torch build
+        return False
+    fbgemm = _fbgemm_linear(codes, _fbgemm_pack_int8(q, scale)[0])
+    return all(torch.equal(r, fbgemm[: len(r)]) for r in rows)
+
+
+# From this many rows on the int8 target multiplies through oneDNN (AMX or VNNI int8), whose cost
+# stays flat with the rows where fbgemm's grows: on the 1.5B target's layers (2-core Xeon, AMX)
+# 58 / 68 / 65 / 76 / 110 ms at 1 / 2 / 3 / 5 / 16 rows through fbgemm, 80 / 81 / 64 / 60 / 68
+# through oneDNN.
+INT8_ONEDNN_MIN_ROWS = 3
+
+
 class Int8RowScaled:
-    """fbgemm int8 with per-row activation ranges (row-independent results; module docstring)."""
+    """int8 with per-row activation ranges (row-independent results; module docstring): fbgemm for
+    a row or two, oneDNN from ``INT8_ONEDNN_MIN_ROWS`` rows where it gives fbgemm's bits."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.packed, self.nbytes = _fbgemm_pack(weight)
-        # W @ 1 of the int8 weight fbgemm holds: what a row's offset contributes to its output.
-        self.row_sums = _fbgemm_dense(self.packed).sum(dim=1)  # [out] float32
+        q, self.scale = quantize_weight_int8(weight)
+        self.packed, self.nbytes = _fbgemm_pack_int8(q, self.scale)
+        self.row_sums = q.float().sum(dim=1) * self.scale  # W @ 1: what a row's offset adds
+        self.onednn = None
+        if onednn_rows_match_fbgemm():
+            self.onednn = _onednn_pack(q)
+            self.nbytes += q.numel()  # a second copy of the int8 weight, in oneDNN's layout
 
     def dense(self) -> torch.Tensor:
         return _fbgemm_dense(self.packed)
@@ -120,16 +175,19 @@ class Int8RowScaled:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xf = x.float()
         lo, hi = xf.aminmax(dim=1, keepdim=True)  # [T, 1] each
-        span = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)
-        # u = (x - lo) / span puts the row's minimum at 0 and its maximum at exactly 1 (d / d is
-        # exactly 1 in floating point), so every call's range is [0, 1], where fbgemm's scale is
-        # 1/255 (or 1/127) with zero point 0 whatever the batch, and both ends are exact codes.
-        # W x = span * (W u) + lo * (W 1).
-        u = (xf - lo) / span
-        y = _fbgemm_linear(u, self.packed) * span + lo * self.row_sums
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
+        step = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny) / _activation_levels()
+        # Each row's codes run from 0 (its minimum) to exactly `levels` (its maximum), so fbgemm
+        # picks scale 1 and zero point 0 whatever the batch and multiplies the codes themselves,
+        # as oneDNN is told to: x ~ lo + step * codes, W x ~ step * (W codes) + lo * (W 1).
+        codes = torch.round((xf - lo) / step)
+        if self.onednn is not None and x.shape[0] >= INT8_ONEDNN_MIN_ROWS:
+            w_codes = _onednn_linear(codes, self.onednn, self.scale)
+        else:
+            w_codes = _fbgemm_linear(codes, self.packed)
+        offset = (
+            lo * self.row_sums if bias is None else torch.addcmul(bias.float(), lo, self.row_sums)
+        )
+        return torch.addcmul(offset, w_codes, step).to(x.dtype)
 
 
 # int4 group length along the input features: one scale and offset per this many weights (as
