@@ -92,10 +92,25 @@ def machine_description(device: torch.device, dtype: torch.dtype, models: list[s
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        # A release can change the kernels (and so every timing) on the same machine.
+        # A release can change the kernels (and so every timing) on the same machine; so can an
+        # edit in a source tree, whose version does not move.
         "specdec": _package_version(),
+        "forward_code": forward_code_digest(),
         "models": models,
     }
+
+
+_ENGINE_DIR = Path(__file__).resolve().parent
+
+
+def forward_code_digest(root: Path = _ENGINE_DIR) -> str:
+    """sha256 of the sources under ``root`` (the engine) that compute a forward: the model layers,
+    the weight formats and the attention backends. Timings measured with other code are not this
+    code's."""
+    digest = hashlib.sha256()
+    for path in sorted([*(root / "models").glob("*.py"), *(root / "attention").glob("*.py")]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _package_version() -> str:

@@ -9,6 +9,7 @@ from specdec.engine.calibration import (
     CalibrationSpec,
     CostTable,
     cached_or_measured,
+    forward_code_digest,
     machine_description,
     measure,
 )
@@ -74,3 +75,17 @@ def test_an_unreadable_cache_entry_is_measured_afresh(tmp_path):
     table = cached_or_measured(*args, cache_dir=tmp_path)
     assert table.samples and json.loads(path.read_text())["version"] == 1
     assert CostTable.from_json(json.loads(path.read_text())).samples == table.samples
+
+
+def test_the_cache_key_follows_the_forward_code(tmp_path):
+    # An edit to a layer, a weight format or an attention backend changes the timings, so it
+    # changes the key even where the package version does not move (a source tree).
+    for part in ("models", "attention"):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "a.py").write_text("x = 1\n")
+    before = forward_code_digest(tmp_path)
+    assert forward_code_digest(tmp_path) == before
+    (tmp_path / "attention" / "a.py").write_text("x = 2\n")
+    assert forward_code_digest(tmp_path) != before
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t"])
+    assert machine["forward_code"] == forward_code_digest()
