@@ -9,11 +9,11 @@ row or two (docs/formats.md).
 - ``Int8Dynamic`` (scheme "int8-dynamic"): fbgemm as it is. It picks one activation scale and
   zero point per call from the whole batch's range, so a row's result depends on its batch-mates;
   offered for the draft only (a draft may be lossy: the rejection rule verifies every token).
-- ``Int8RowScaled`` (scheme "int8"): each activation row is mapped affinely onto exactly [0, 1]
-  (its minimum to 0, its maximum to 1), so every call's range is [0, 1]: fbgemm's activation
-  scale and zero point are then the same constants whatever the batch, each row's products are
-  exact integer sums, and undoing the row's map gives a row whose value never depends on the
-  other rows. Greedy speculative output stays equal to greedy plain output of the same int8
+- ``Int8RowScaled`` (scheme "int8"): each activation row is mapped affinely onto integer codes
+  from 0 (its minimum) to exactly 255 or 127 (its maximum), so every call's range is the same:
+  fbgemm's activation scale (1) and zero point (0) are then constants whatever the batch, each
+  row's products are exact integer sums, and undoing the row's map gives a row whose value never
+  depends on the other rows. Greedy speculative output stays equal to greedy plain output of the same int8
   model (tests/test_formats.py checks this on the machine). Activations use all 8 bits where the
   kernel's products sum without saturating (``full_range_activations``), 7 bits elsewhere. From
   three rows on, oneDNN's int8 product takes over where it returns fbgemm's bits for the same
@@ -117,10 +117,11 @@ def _onednn_pack(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.onednn.qlinear_prepack(q, [1, q.shape[1]])
 
 
-def _onednn_linear(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _onednn_linear(
+    codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor
+) -> torch.Tensor:
     """oneDNN's int8 product of uint8 activation codes (scale 1, zero point 0) and the
-    per-channel int8 weight: float32 [T, out]."""
-    zero_points = torch.zeros(scale.numel(), dtype=torch.int64)
+    per-channel int8 weight (``zero_points`` all 0): float32 [T, out]."""
     return torch.ops.onednn.qlinear_pointwise(
         codes.to(torch.uint8), 1.0, 0, packed, scale, zero_points,
         None, 1.0, 0, torch.float32, "none", [], "",
@@ -140,9 +141,13 @@ def onednn_rows_match_fbgemm() -> bool:
     scale = torch.rand(48, generator=gen) / 100 + 1e-4
     codes = torch.randint(0, 256, (16, 4096), generator=gen).float()
     codes[:, :2] = torch.tensor([0.0, 255.0])  # each row spans the whole range
+    zero_points = torch.zeros(48, dtype=torch.int64)
     try:
         packed = _onednn_pack(q)
-        rows = [_onednn_linear(codes[:m], packed, scale) for m in (1, INT8_ONEDNN_MIN_ROWS, 7, 16)]
+        rows = [
+            _onednn_linear(codes[:m], packed, scale, zero_points)
+            for m in (1, INT8_ONEDNN_MIN_ROWS, 7, 16)
+        ]
     except (RuntimeError, AttributeError):  # no oneDNN int8 in this torch build
         return False
     fbgemm = _fbgemm_linear(codes, _fbgemm_pack_int8(q, scale)[0])
@@ -164,9 +169,10 @@ class Int8RowScaled:
         q, self.scale = quantize_weight_int8(weight)
         self.packed, self.nbytes = _fbgemm_pack_int8(q, self.scale)
         self.row_sums = q.float().sum(dim=1) * self.scale  # W @ 1: what a row's offset adds
-        self.onednn = None
+        self.levels = _activation_levels()
+        self.onednn = None  # (packed weight, zero points) where oneDNN takes many-row products
         if onednn_rows_match_fbgemm():
-            self.onednn = _onednn_pack(q)
+            self.onednn = (_onednn_pack(q), torch.zeros(q.shape[0], dtype=torch.int64))
             self.nbytes += q.numel()  # a second copy of the int8 weight, in oneDNN's layout
 
     def dense(self) -> torch.Tensor:
@@ -175,13 +181,14 @@ class Int8RowScaled:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xf = x.float()
         lo, hi = xf.aminmax(dim=1, keepdim=True)  # [T, 1] each
-        step = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny) / _activation_levels()
+        step = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny) / self.levels
         # Each row's codes run from 0 (its minimum) to exactly `levels` (its maximum), so fbgemm
         # picks scale 1 and zero point 0 whatever the batch and multiplies the codes themselves,
         # as oneDNN is told to: x ~ lo + step * codes, W x ~ step * (W codes) + lo * (W 1).
         codes = torch.round((xf - lo) / step)
         if self.onednn is not None and x.shape[0] >= INT8_ONEDNN_MIN_ROWS:
-            w_codes = _onednn_linear(codes, self.onednn, self.scale)
+            packed, zero_points = self.onednn
+            w_codes = _onednn_linear(codes, packed, self.scale, zero_points)
         else:
             w_codes = _fbgemm_linear(codes, self.packed)
         offset = (
