@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.config import EngineConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.loader import LoadedModel
@@ -26,6 +28,8 @@ from specdec.engine.model_runner import ModelRunner, RunEntry
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import Sequence as EngineSeq
 from specdec.evals.traces import TOP_K, RequestTrace
+
+from specdec.draft_vocab import vocabulary_logits
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,12 @@ class _CapturingRunner:
 
 
 def plain_engine(
-    loaded: LoadedModel, kv_gib: float, max_num_seqs: int, seed: int, dtype: str = "float32"
+    loaded: LoadedModel,
+    kv_gib: float,
+    max_num_seqs: int,
+    seed: int,
+    dtype: str = "float32",
+    quantization: str = "none",
 ) -> LLMEngine:
     config = EngineConfig(
         model=str(loaded.path),
@@ -63,12 +72,52 @@ def plain_engine(
         speculative_method="none",
         device="cpu",
         dtype=dtype,
+        quantization=quantization,
         kv_cache_memory=kv_gib,
         max_num_seqs=max_num_seqs,
         controller_warmup=False,
         seed=seed,
     )
     return LLMEngine(config, target=loaded, progress=False)
+
+
+@dataclass
+class DraftSide:
+    """The draft as a speculative engine runs it (its weight format and pruned head), behind the
+    few attributes the recorder and the cost table read of a plain engine."""
+
+    target: LoadedModel  # the draft model (named as a plain engine names its one model)
+    target_runner: ModelRunner
+    allocator: BlockAllocator
+
+
+def draft_side(
+    target: LoadedModel,
+    draft: LoadedModel,
+    kv_gib: float,
+    seed: int,
+    dtype: str,
+    quantization: str,
+    draft_vocab_size: int | None = None,
+    draft_vocab_table: str | None = None,
+) -> DraftSide:
+    """The draft of a speculative engine built from the pair with the engine's defaults and
+    ``draft``'s own weight format."""
+    config = EngineConfig(
+        model=str(target.path),
+        draft_model=str(draft.path),
+        device="cpu",
+        dtype=dtype,
+        quantization=quantization,
+        draft_quantization=draft.model.quantization,
+        draft_vocab_size=draft_vocab_size,
+        draft_vocab_table=draft_vocab_table,
+        kv_cache_memory=kv_gib,
+        controller_warmup=False,
+        seed=seed,
+    )
+    engine = LLMEngine(config, target=target, draft=draft, progress=False)
+    return DraftSide(draft, engine.proposer.runner, engine.allocator)
 
 
 def generate_paths(
@@ -126,15 +175,20 @@ def generate_paths(
     return paths
 
 
-def draft_top(engine: LLMEngine, prompt: list[int], tokens: np.ndarray) -> tuple[np.ndarray, ...]:
+def draft_top(
+    engine: LLMEngine | DraftSide, prompt: list[int], tokens: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """The draft's top-``TOP_K`` (ids, probs) at each output position, given the true prefix:
-    one forward over prompt + tokens[:-1] keeping the last len(tokens) rows."""
+    one forward over prompt + tokens[:-1] keeping the last len(tokens) rows (a pruned head's
+    rows put back at their token ids, so q is 0 off its kept tokens, as the engine drafts)."""
     ids = prompt + tokens[:-1].tolist()
     n = int(tokens.shape[0])
     seq = EngineSeq(-1, "trace-draft", ids, SamplingParams(), "off")
     engine.allocator.allocate(seq, len(ids))
     try:
-        logits = engine.target_runner.run([RunEntry(seq, ids, 0, n)])
+        runner = engine.target_runner
+        logits = runner.run([RunEntry(seq, ids, 0, n)])
+        logits = vocabulary_logits(runner.output_token_ids, logits, runner.vocab_size)
     finally:
         engine.allocator.free(seq)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -151,7 +205,7 @@ def target_probs_of(top_ids: np.ndarray, top_probs: np.ndarray, ids: np.ndarray)
 
 def record_requests(
     target_engine: LLMEngine,
-    draft_engine: LLMEngine,
+    draft_engine: LLMEngine | DraftSide,
     requests: list[tuple[str, str, list[int], SamplingParams]],
 ) -> list[RequestTrace]:
     """(id, category, prompt ids, params) each -> its trace along the target's path."""

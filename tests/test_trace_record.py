@@ -8,7 +8,7 @@ import pytest
 import torch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.evals.tiny_pair import tiny_pair
-from specdec.evals.trace_record import plain_engine, record_requests
+from specdec.evals.trace_record import draft_side, draft_top, plain_engine, record_requests
 from specdec.evals.traces import load_traces, save_traces
 
 
@@ -91,3 +91,27 @@ def test_cost_table_times_every_kind_of_shape_on_a_tiny_pair():
     assert StepCosts(table).target_seconds([(4, 32)], greedy_rows=4) > 0
     after = (target_engine.allocator.num_free_blocks, draft_engine.allocator.num_free_blocks)
     assert after == free
+
+
+def test_draft_side_ranks_only_the_tokens_its_pruned_head_keeps(tmp_path):
+    """A trace of a pruned draft holds what the engine drafts from: q over the kept ids only,
+    the same ranking as the full head's logits restricted to them."""
+    from test_draft_vocab import tiny_table
+
+    target, draft = tiny_pair()
+    vocab, keep = target.arch.vocab_size, 48
+    table = tiny_table(tmp_path / "table.json", vocab=vocab)
+    side = draft_side(target, draft, 0.05, 0, "float32", "none", keep, table)
+    kept = side.target_runner.output_token_ids
+    assert kept is not None and kept.numel() == keep
+    prompt, tokens = list(range(3, 20)), np.array([30, 7, 41, 9], np.int64)
+    free = side.allocator.num_free_blocks
+    ids, probs = draft_top(side, prompt, tokens)
+    assert side.allocator.num_free_blocks == free
+    assert set(ids[probs > 0].tolist()) <= set(kept.tolist())
+    full_ids, _ = draft_top(plain_engine(draft, 0.05, 4, 0), prompt, tokens)
+    in_kept = np.isin(full_ids, kept.numpy())
+    # the pruned head's first choice is the full head's best kept token wherever one is ranked
+    for j in range(len(tokens)):
+        if in_kept[j].any():
+            assert ids[j, 0] == full_ids[j][in_kept[j]][0]

@@ -9,7 +9,12 @@ import argparse
 import logging
 import time
 
-from specdec.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.engine.config import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    DRAFT_QUANTIZATIONS,
+    QUANTIZATIONS,
+)
 from specdec.engine.errors import ConfigError
 from specdec.evals.cli_args import parse_floats
 from specdec.evals.datasets import load_categories, parse_categories, prompt_token_ids
@@ -39,10 +44,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     g.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="weight format of both models (default: %(default)s); verify rows cost differently "
-        "per format, so a cost table is per format",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="dtype of both models, resolved as the engine resolves it (default: %(default)s); "
+        "verify rows cost differently per format, so a cost table is per format",
+    )
+    g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="the target's weight format, as the engine's flag (default: %(default)s)",
+    )
+    g.add_argument(
+        "--draft-quantization",
+        choices=DRAFT_QUANTIZATIONS,
+        default="auto",
+        help="the draft's weight format, as the engine's flag (default: %(default)s); it changes "
+        "the draft's top tokens and its forwards' cost",
+    )
+    g.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="rows of the draft's head, as the engine's flag (default: the engine's)",
     )
     g.add_argument("--max-num-seqs", type=int, default=16, help="batch while generating paths")
     g.add_argument("--no-cost-table", action="store_true", help="skip the step-cost table")
@@ -57,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from specdec.engine.config import EngineConfig
     from specdec.engine.kv_cache import GIB, num_blocks_for_budget
-    from specdec.engine.loader import load_model
+    from specdec.engine.loader import load_model, resolve_draft_quantization, resolve_dtype
     from specdec.engine.sampling_params import SamplingParams
     from specdec.evals.cost_table import cpu_flags_summary, measure_cost_table
     from specdec.evals.environment import command_line, environment_info, git_commit
-    from specdec.evals.trace_record import plain_engine, record_requests
+    from specdec.evals.trace_record import draft_side, plain_engine, record_requests
     from specdec.evals.traces import load_traces, save_traces
 
     if args.max_tokens < 2:
@@ -74,12 +98,28 @@ def run(args: argparse.Namespace) -> int:
     categories = parse_categories(args.categories)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    dtype, device = getattr(torch, args.dtype), torch.device("cpu")
-    target = load_model(args.model, dtype, device, progress=False)
-    draft = load_model(args.draft_model, dtype, device, progress=False)
-    # Pools big enough for the batch and for four 4k contexts of the cost table, no more.
-    target_engine = plain_engine(target, 1.2, args.max_num_seqs, args.seed, args.dtype)
-    draft_engine = plain_engine(draft, 0.6, args.max_num_seqs, args.seed, args.dtype)
+    device = torch.device("cpu")
+    dtype = resolve_dtype(args.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    draft_format = resolve_draft_quantization(args.draft_quantization, device)
+    target = load_model(args.model, dtype, device, progress=False, quantization=args.quantization)
+    draft = load_model(args.draft_model, dtype, device, progress=False, quantization=draft_format)
+    # Pools big enough for the batch and for four 4k contexts of the cost table, no more (the
+    # draft's pool is a speculative engine's: it holds the target's layers too).
+    target_engine = plain_engine(
+        target, 1.2, args.max_num_seqs, args.seed, dtype_name, args.quantization
+    )
+    draft_engine = draft_side(
+        target, draft, 1.2, args.seed, dtype_name, args.quantization, args.draft_vocab_size
+    )
+    head = draft_engine.target_runner.output_token_ids
+    formats = {
+        "dtype": dtype_name,
+        "quantization": args.quantization,
+        "draft_quantization": draft_format,
+        "draft_vocab_size": draft.arch.vocab_size if head is None else int(head.numel()),
+        "threads": args.threads,
+    }
     if args.cost_table_only:
         existing = load_traces(args.output_dir)
         meta = dict(existing.meta)
@@ -87,10 +127,7 @@ def run(args: argparse.Namespace) -> int:
         meta["cost_table_command"] = command_line()
         meta["cost_table_commit"] = git_commit()
         meta["cost_table_machine"] = dict(
-            environment_info(),
-            cpu_flags=cpu_flags_summary(),
-            dtype=args.dtype,
-            threads=args.threads,
+            environment_info(), cpu_flags=cpu_flags_summary(), **formats
         )
         save_traces(args.output_dir, existing.requests, meta)
         print(f"measured a new cost table into {args.output_dir}")
@@ -119,12 +156,7 @@ def run(args: argparse.Namespace) -> int:
         "draft": args.draft_model,
         "max_tokens": args.max_tokens,
         "vocab_size": target.arch.vocab_size,
-        "machine": dict(
-            environment_info(),
-            cpu_flags=cpu_flags_summary(),
-            dtype=args.dtype,
-            threads=args.threads,
-        ),
+        "machine": dict(environment_info(), cpu_flags=cpu_flags_summary(), **formats),
         # the engine the replay simulates: this pair's default KV pool and batch limits
         "engine": {
             "page_size": defaults.page_size,
