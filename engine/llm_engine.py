@@ -45,7 +45,7 @@ from specdec.engine.outputs import (
     make_output,
 )
 from specdec.engine.policy_setup import build_policy, tree_shape
-from specdec.engine.sampling import RowContext
+from specdec.engine.sampling import RowContext, greedy_picks
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler, StepPlan
 from specdec.engine.sequence import Sequence, SequenceStatus, SpecStats
@@ -65,6 +65,7 @@ from specdec.controller.policy import (
 from specdec.controller.step_cost import ForwardShape
 from specdec.draft_vocab import resolve_draft_vocab
 from specdec.proposers import DraftModelProposer, Drafts, NgramProposer, Proposal, Proposer
+from specdec.rejection_sampler import coupled_verify
 from specdec.tree_verify import verify_trees
 
 logger = logging.getLogger(__name__)
@@ -528,6 +529,10 @@ class LLMEngine:
             out = seq.output_token_ids
             for j in range(e.num_logits):
                 rows.append(RowContext(seq.params, seq.prompt_token_ids, out + drafts[:j]))
+        # An all-greedy step of chains needs only the target's picks: no distribution per row.
+        picks = None if trees else greedy_picks(logits, rows)
+        if picks is not None:
+            return self._verify_chains(sampling, starts, proposals, picks=picks), {}
         probs = probs_for_rows(logits, rows, self.sampling_kernels)  # [rows, vocab]
         tree_set = set(trees)
         chains = [b for b in range(len(sampling)) if b not in tree_set]
@@ -554,11 +559,15 @@ class LLMEngine:
                 )
         return accepted, paths
 
-    def _verify_chains(self, sampling, starts, proposals, probs) -> dict[int, list[int]]:
-        """Verify chains (and plain decodes: no drafts) whose target rows start at ``starts``."""
+    def _verify_chains(
+        self, sampling, starts, proposals, probs=None, picks=None
+    ) -> dict[int, list[int]]:
+        """Verify chains (and plain decodes: no drafts) whose target rows start at ``starts``,
+        from the target's ``probs`` per row, or from its ``picks`` when every row is greedy."""
         k_max = max(e.num_logits for _, e in sampling) - 1
-        batch, vocab = len(sampling), probs.shape[-1]
-        target = probs.new_zeros((batch, k_max + 1, vocab))
+        batch = len(sampling)
+        rows = probs if picks is None else picks
+        target = rows.new_zeros((batch, k_max + 1, *rows.shape[1:]))
         draft_ids = torch.full((batch, max(k_max, 1)), -1, dtype=torch.int64)
         draft_probs = None
         need_q = any(
@@ -566,10 +575,10 @@ class LLMEngine:
             for s, _ in sampling
         )
         if need_q:
-            draft_probs = probs.new_zeros((batch, max(k_max, 1), vocab))
+            draft_probs = probs.new_zeros((batch, max(k_max, 1), probs.shape[-1]))
         num_drafts = [0] * batch
         for b, (s, e) in enumerate(sampling):
-            target[b, : e.num_logits] = probs[starts[b] : starts[b] + e.num_logits]
+            target[b, : e.num_logits] = rows[starts[b] : starts[b] + e.num_logits]
             prop = proposals.get(s.seq.seq_id)
             n = e.num_logits - 1
             num_drafts[b] = n
@@ -580,16 +589,21 @@ class LLMEngine:
                         draft_probs[b, :n] = prop.probs
                     else:  # one-hot q for this sequence's drafts
                         draft_probs[b, torch.arange(n), draft_ids[b, :n]] = 1.0
-        result = verify_drafts(
-            target,
-            draft_ids[:, :k_max] if k_max else draft_ids[:, :0],
-            draft_probs[:, :k_max] if draft_probs is not None and k_max else None,
-            num_drafts,
-            [s.seq.params.greedy for s, _ in sampling],
-            [s.seq.params.seed for s, _ in sampling],
-            [s.seq.num_tokens for s, _ in sampling],  # where each row 0's token goes
-            self.sampling_kernels,
-        )
+        if picks is not None:
+            drafts = draft_ids[:, :k_max].to(target.device)
+            num = torch.tensor(num_drafts, dtype=torch.int64, device=target.device)
+            result = coupled_verify(target, drafts, num)
+        else:
+            result = verify_drafts(
+                target,
+                draft_ids[:, :k_max] if k_max else draft_ids[:, :0],
+                draft_probs[:, :k_max] if draft_probs is not None and k_max else None,
+                num_drafts,
+                [s.seq.params.greedy for s, _ in sampling],
+                [s.seq.params.seed for s, _ in sampling],
+                [s.seq.num_tokens for s, _ in sampling],  # where each row 0's token goes
+                self.sampling_kernels,
+            )
         out_ids = result.output_token_ids.tolist()
         counts = result.num_accepted.tolist()
         return {s.seq.seq_id: out_ids[b][: counts[b] + 1] for b, (s, _) in enumerate(sampling)}

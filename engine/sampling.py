@@ -10,7 +10,8 @@ Order of operations on each row (logits -> probabilities):
    ``r`` when positive and multiplied by ``r`` otherwise;
 2. presence and frequency penalties (OpenAI): ``logit -= frequency * count + presence * [count>0]``
    with counts over output tokens only;
-3. greedy rows become a one-hot at the argmax (ties go to the lowest token id);
+3. greedy rows become a one-hot at the argmax (ties go to the lowest token id); when every row
+   is greedy, `greedy_picks` returns those argmaxes without building the one-hot rows;
 4. other rows: temperature, top-k, top-p, min-p, then softmax (which renormalises).
 
 Tie rules (documented because tests pin them): top-k keeps every token whose logit equals the k-th
@@ -89,6 +90,19 @@ def compute_probs(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Ten
         sub = x.index_select(0, s_idx)  # [num_sampled, vocab]
         probs.index_copy_(0, s_idx, _warp(sub, [rows[i].params for i in sampled]))
     return probs
+
+
+def greedy_picks(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tensor | None:
+    """The tokens `compute_probs` would make one-hot when every row is greedy (the argmax of the
+    penalised logits, lowest id on ties), without building a vocabulary-wide distribution per
+    row; None when any row samples. A greedy verify needs no more than its picks."""
+    if not all(r.params.greedy for r in rows):
+        return None
+    if any(r.params.needs_penalties for r in rows):
+        x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        apply_penalties(x, rows)
+        return x.argmax(dim=-1)
+    return logits.argmax(dim=-1)
 
 
 def apply_penalties(x: torch.Tensor, rows: Sequence[RowContext]) -> None:

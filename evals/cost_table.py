@@ -66,7 +66,7 @@ def _measure_once(target_engine, draft_engine, repeats: int) -> dict:
     import torch
     from specdec.engine.calibration import draft_grid, time_forward, verify_grid
     from specdec.engine.gpu_sampling import probs_for_rows, sample_from_probs
-    from specdec.engine.sampling import RowContext
+    from specdec.engine.sampling import RowContext, greedy_picks
     from specdec.engine.sampling_params import SamplingParams
 
     def sweep(engine, shapes, context, logits_all: bool) -> list[dict]:
@@ -122,8 +122,9 @@ def _measure_once(target_engine, draft_engine, repeats: int) -> dict:
             best = float("inf")
             for _ in range(max(repeats, 3)):
                 t0 = time.perf_counter()
-                probs = probs_for_rows(logits, ctx)
-                sample_from_probs(probs, [temperature == 0] * rows, [None] * rows, [0] * rows)
+                if greedy_picks(logits, ctx) is None:  # greedy rows need their picks only
+                    probs = probs_for_rows(logits, ctx)
+                    sample_from_probs(probs, [False] * rows, [None] * rows, [0] * rows)
                 best = min(best, time.perf_counter() - t0)
             sampling.append({"rows": rows, "temperature": temperature, "seconds": best})
     table["sampling"] = sampling

@@ -14,7 +14,7 @@ from specdec.draft_tree import DraftTree
 from specdec.draft_vocab import vocabulary_logits
 from specdec.engine.gpu_sampling import SamplingKernels, probs_for_rows, sample_from_probs
 from specdec.engine.model_runner import ModelRunner, RunEntry
-from specdec.engine.sampling import RowContext
+from specdec.engine.sampling import RowContext, greedy_picks
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.ngram import propose_ngram, propose_ngram_tree
 from specdec.tree_proposal import GrowingTree, TreeShape
@@ -200,22 +200,27 @@ class DraftModelProposer:
             )
             for i in active
         ]
-        p = probs_for_rows(logits, rows, self.kernels)
         greedy = [items[i].seq.params.greedy for i in active]
-        drawn_t = sample_from_probs(
-            p,
-            greedy,
-            [items[i].seq.params.seed for i in active],
-            [items[i].seq.num_tokens + step for i in active],  # where each draft would go
-            self.kernels,
-        )
+        # All greedy: the picks alone (their q is one-hot and never read).
+        drawn_t = greedy_picks(logits, rows)
+        p = None
+        if drawn_t is None:
+            p = probs_for_rows(logits, rows, self.kernels)
+            drawn_t = sample_from_probs(
+                p,
+                greedy,
+                [items[i].seq.params.seed for i in active],
+                [items[i].seq.num_tokens + step for i in active],  # where each draft would go
+                self.kernels,
+            )
         # Only the stop rule reads confidences: without one, skip their kernels and copy.
         conf = _confidence(logits, p, drawn_t, greedy) if stop is not None else None
         drawn = drawn_t.tolist()
         for row, i in enumerate(active):
             seq = items[i].seq
             tokens[i].append(drawn[row])
-            probs[i].append(p[row])
+            if p is not None:
+                probs[i].append(p[row])
             if conf is not None:
                 confidence[i].append(conf[row])
             seq.num_draft_computed_tokens = seq.num_tokens + step
@@ -258,11 +263,13 @@ def _catchup_entries(items: list[ScheduledSeq]) -> list[RunEntry]:
 
 
 def _confidence(
-    logits: torch.Tensor, probs: torch.Tensor, drawn: torch.Tensor, greedy: list[bool]
+    logits: torch.Tensor, probs: torch.Tensor | None, drawn: torch.Tensor, greedy: list[bool]
 ) -> list[float]:
     """The draft's probability of each drawn token: from the distribution it was drawn from, or
-    for a greedy row (whose q is one-hot) from the softmax of its logits at temperature 1."""
-    conf = probs.gather(1, drawn.view(-1, 1)).view(-1)
+    for a greedy row (whose q is one-hot) from the softmax of its logits at temperature 1
+    (``probs`` is None when every row is greedy)."""
+    conf = torch.zeros(len(greedy)) if probs is None else probs.gather(1, drawn.view(-1, 1))
+    conf = conf.view(-1).to(logits.device)
     rows = [r for r, g in enumerate(greedy) if g]
     if rows:
         idx = torch.tensor(rows, device=logits.device)

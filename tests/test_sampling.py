@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from scipy import stats
-from specdec.engine.sampling import RowContext, compute_probs, sample
+from specdec.engine.sampling import RowContext, compute_probs, greedy_picks, sample
 from specdec.engine.sampling_params import SamplingParams
 
 
@@ -352,3 +352,29 @@ def test_non_contiguous_logits() -> None:
     torch.testing.assert_close(
         compute_probs(logits, rows), compute_probs(logits.contiguous(), rows)
     )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=1.8, presence_penalty=0.7),
+    ],
+)
+def test_greedy_picks_are_the_one_hot_rows_of_compute_probs(params) -> None:
+    """The fast path for all-greedy rows picks what `compute_probs` makes one-hot (penalties
+    included, lowest id on ties), in the logits' own dtype."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500).bfloat16()
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the lower id wins
+    rows = [RowContext(params, [7, 3, 3], [9, 11][: i % 3]) for i in range(6)]
+    want = compute_probs(logits, rows).argmax(dim=-1)
+    assert torch.equal(greedy_picks(logits, rows), want)
+    if not params.needs_penalties:
+        assert int(want[2]) == 7
+
+
+def test_greedy_picks_decline_a_batch_with_a_sampled_row() -> None:
+    rows = [RowContext(SamplingParams(temperature=0), [], [])] * 2
+    rows.append(RowContext(SamplingParams(temperature=1.0), [], []))
+    assert greedy_picks(torch.randn(3, 50), rows) is None

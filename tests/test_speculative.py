@@ -252,3 +252,21 @@ def test_bad_speculation_input(target, same_as_target):
     assert not plain.has_unfinished()
     with pytest.raises(ConfigError, match="vocabulary"):
         make_engine(target, tiny_hf_model("qwen2", vocab=64))
+
+
+def test_greedy_steps_build_no_distribution_per_row(target, unrelated_draft, monkeypatch):
+    """All-greedy speculative steps verify and draft from picks alone: neither the target's nor
+    the draft's rows become vocabulary-wide distributions, and the output is plain decode's."""
+    import specdec.engine.llm_engine as llm_engine
+
+    import specdec.proposers as proposers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a greedy step built a distribution per row")
+
+    monkeypatch.setattr(llm_engine, "probs_for_rows", refuse)
+    monkeypatch.setattr(proposers, "probs_for_rows", refuse)
+    engine = make_engine(target, unrelated_draft, num_speculative_tokens=3, speculative_mode="on")
+    ps = prompts(3)
+    assert run_staggered(engine, ps) == expected(target, ps)
+    assert engine.spec_stats.num_draft_tokens > 0
