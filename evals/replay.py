@@ -146,17 +146,22 @@ class SimClock:
         stalls: Sequence[float] = (),
         stall_seconds: float = 0.0,
     ) -> None:
-        self.now = 0.0
-        self.slowdowns = list(slowdowns)  # (start, end, factor)
-        self.stalls = sorted(stalls)
-        self.stall_seconds = stall_seconds
-        self._next_stall = 0
+        self.reset(slowdowns, stalls, stall_seconds)
 
     def __call__(self) -> float:
         return self.now
 
-    def reset(self) -> None:
+    def reset(
+        self,
+        slowdowns: Sequence[tuple[float, float, float]] = (),
+        stalls: Sequence[float] = (),
+        stall_seconds: float = 0.0,
+    ) -> None:
+        """Back to zero, with these slow-downs (start, end, factor) and stalls from now on."""
         self.now = 0.0
+        self.slowdowns = list(slowdowns)
+        self.stalls = sorted(stalls)
+        self.stall_seconds = stall_seconds
         self._next_stall = 0
 
     def charge(self, seconds: float) -> None:
@@ -416,13 +421,15 @@ class ReplayError(RuntimeError):
 
 def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: EngineShape):
     """Run ``workload`` under ``policy``; returns (PolicyResult, the engine)."""
-    clock = SimClock(workload.slowdowns, workload.stalls, workload.stall_seconds)
+    # Start-up calibration runs on the machine as it is before the workload: the scenario's
+    # slow-downs and stalls are set on the clock (from zero) only once the engine is built.
+    clock = SimClock()
     book = {r.request_id: r for r in workload.requests}
     config = shape.config(warmup=policy.make is None, tree_nodes=policy.tree_nodes)
     engine = ReplayEngine(config, book, costs, clock)
     if policy.make is not None:
         engine.policy = policy.make(engine)
-    clock.reset()  # start-up calibration ran on the clock: requests start at zero
+    clock.reset(workload.slowdowns, workload.stalls, workload.stall_seconds)
     free_at_start = engine.allocator.num_free_blocks
     pending = deque(workload.requests)
     arrivals: dict[str, float] = {}

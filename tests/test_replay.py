@@ -102,6 +102,21 @@ def test_adaptive_is_the_engines_own_policy_calibrated_on_simulated_time():
     assert engine.target_runner.num_forwards > result.steps
 
 
+def test_calibration_sees_the_machine_before_the_scenarios_slowdowns_and_stalls():
+    """A scenario's slow-downs and stalls start with its requests: the start-up calibration of
+    an adaptive run times the same forwards whatever the scenario does to the clock later."""
+    reqs = [_one_request(MATCHES)]
+    runs = [
+        Workload(reqs, 1),
+        Workload(reqs, 1, slowdowns=[(0.0, 1e9, 3.0)], stalls=[0.01], stall_seconds=5.0),
+    ]
+    samples = []
+    for workload in runs:
+        _, engine = run_policy(workload, Policy("adaptive"), COSTS, SHAPE)
+        samples.append(list(engine.policy.cost.target._cal_y))
+    assert samples[0] and samples[0] == samples[1]
+
+
 def test_no_kv_leak_even_when_the_pool_forces_preemption(monkeypatch):
     from specdec.engine.scheduler import Scheduler
 
