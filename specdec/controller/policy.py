@@ -199,6 +199,7 @@ class AdaptivePolicy:
         self._last_goodput = self._last_seconds = 0.0
         self._table_cache: dict[int, tuple] = {}  # seq_id -> (key, chain E, tree E)
         self._trees: dict[int, list[float]] = {}
+        self._lags: dict[int, tuple[int, float]] = {}  # seq_id -> (tokens left, catch-up seconds)
 
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
         auto = [i for i, s in enumerate(seqs) if s.spec_mode == "auto"]
@@ -206,7 +207,7 @@ class AdaptivePolicy:
         if not auto:
             self._last = pinned
             return SpecDecision(pinned)
-        tables = self._tables(seqs)
+        tables, self._lags = self._tables(seqs), {}
         held = self._evaluate_held(seqs, auto, tables, pinned, prefill)
         decode_only = prefill.seqs == 0
         self._since_explore += decode_only  # decode-only steps since a runner-up last ran
@@ -344,13 +345,15 @@ class AdaptivePolicy:
             return lag, 0.0
         if not self.has_draft_model:
             return _KEPT_PACE, 0.0
-        left = self.max_model_len - seq.num_tokens
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
-        steps_left = max(1.0, left / expected)
-        extra = self.cost.draft_time([ForwardShape(lag, 1)])
-        extra -= self.cost.draft_time([ForwardShape(_KEPT_PACE, 1)])
-        return _KEPT_PACE, max(0.0, extra) / steps_left
+        if seq.seq_id not in self._lags:  # what every k shares, priced once a step
+            left = self.max_model_len - seq.num_tokens
+            if seq.params.max_tokens is not None:
+                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            extra = self.cost.draft_time([ForwardShape(lag, 1)])
+            extra -= self.cost.draft_time([ForwardShape(_KEPT_PACE, 1)])
+            self._lags[seq.seq_id] = (left, max(0.0, extra))
+        left, extra = self._lags[seq.seq_id]
+        return _KEPT_PACE, extra / max(1.0, left / expected)
 
     def _evaluate_held(self, seqs, auto, tables, pinned, prefill) -> _Candidate:
         k, share, tree_nodes = self._held
@@ -369,22 +372,18 @@ class AdaptivePolicy:
         self, seqs, choice: _Candidate, candidates: list[_Candidate], prefill: PrefillShape
     ) -> _Candidate:
         """The candidate of another draft length that is best as a one-step trial (its drafts'
-        whole catch-up charged to it), when it is within ``EXPLORE_BAND`` of the choice (and
-        then the exploration clock restarts); else the choice."""
+        whole catch-up charged to it) when it is within ``EXPLORE_BAND`` of the choice, else the
+        choice; either way the exploration clock restarts."""
 
         def trial_goodput(c: _Candidate) -> float:
             seconds, _ = self._step(seqs, c, prefill, amortize=False)
             return c.goodput * c.seconds / seconds
 
+        self._since_explore = 0
         shape = (choice.k, choice.tree_nodes)
         trials = [(trial_goodput(c), c) for c in candidates if (c.k, c.tree_nodes) != shape]
-        if not trials:
-            return choice
-        goodput, runner_up = max(trials, key=lambda t: t[0])
-        if goodput < choice.goodput * (1.0 - EXPLORE_BAND):
-            return choice
-        self._since_explore = 0
-        return runner_up
+        goodput, runner_up = max(trials, key=lambda t: t[0], default=(0.0, choice))
+        return runner_up if goodput >= choice.goodput * (1.0 - EXPLORE_BAND) else choice
 
     def _draft_stop(
         self, seqs, ks: list[int], choice: _Candidate, prefill: PrefillShape

@@ -13,7 +13,7 @@ import statistics
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import nnls
@@ -38,8 +38,9 @@ class ForwardShape:
     attended: int = 0
     sampled: int = 0
 
-    def __add__(self, other: ForwardShape) -> ForwardShape:
-        return ForwardShape(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+    def __add__(self, o: ForwardShape) -> ForwardShape:  # field by field: astuple deep-copies
+        return ForwardShape(self.rows + o.rows, self.seqs + o.seqs, self.attended + o.attended,
+                            self.sampled + o.sampled)  # fmt: skip
 
 
 def _knot(rows: int) -> tuple[int, float]:
