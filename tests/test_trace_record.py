@@ -115,3 +115,29 @@ def test_draft_side_ranks_only_the_tokens_its_pruned_head_keeps(tmp_path):
     for j in range(len(tokens)):
         if in_kept[j].any():
             assert ids[j, 0] == full_ids[j][in_kept[j]][0]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--temperatures", "0.5"], "temperatures 0 and 1 only"),
+        (["--draft-vocab-size", "-1"], "--draft-vocab-size must be >= 0"),
+    ],
+)
+def test_trace_command_rejects_bad_flags_before_loading_anything(tmp_path, capsys, flags, message):
+    from specdec.api.cli import main
+
+    assert main(["trace", "--output-dir", str(tmp_path / "t"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def test_trace_command_rejects_unknown_formats(tmp_path, capsys):
+    from specdec.api.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["trace", "--output-dir", str(tmp_path / "t"), "--quantization", "int8-dynamic"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err

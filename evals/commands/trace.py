@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
+        raise ConfigError(
+            f"--draft-vocab-size must be >= 0 (0: the full vocabulary), got {args.draft_vocab_size}"
+        )
     temperatures = parse_floats(args.temperatures, "--temperatures")
     if any(t not in (0.0, 1.0) for t in temperatures):
         raise ConfigError("--temperatures: the replay models temperatures 0 and 1 only")
