@@ -140,13 +140,8 @@ class SimClock:
     """Simulated seconds. ``charge`` advances it by a forward's price times the slow-down factor of
     the window it starts in, plus ``stall_seconds`` for every stall time the forward runs across."""
 
-    def __init__(
-        self,
-        slowdowns: Sequence[tuple[float, float, float]] = (),
-        stalls: Sequence[float] = (),
-        stall_seconds: float = 0.0,
-    ) -> None:
-        self.reset(slowdowns, stalls, stall_seconds)
+    def __init__(self) -> None:
+        self.reset()
 
     def __call__(self) -> float:
         return self.now

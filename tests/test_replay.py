@@ -190,7 +190,8 @@ def test_sampled_acceptance_is_drawn_from_the_overlap_with_a_fixed_seed():
 
 
 def test_sim_clock_slowdown_and_stalls():
-    clock = SimClock(slowdowns=[(1.0, 2.0, 1.3)], stalls=[5.0], stall_seconds=3.0)
+    clock = SimClock()
+    clock.reset(slowdowns=[(1.0, 2.0, 1.3)], stalls=[5.0], stall_seconds=3.0)
     clock.charge(1.0)
     assert clock() == pytest.approx(1.0)
     clock.charge(0.5)  # starts inside the window: 30% slower
