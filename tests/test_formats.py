@@ -24,6 +24,7 @@ from specdec.engine.models.quant import (
     Int8Dynamic,
     Int8RowScaled,
     full_range_activations,
+    many_rows_engine,
     onednn_rows_match_fbgemm,
     quantize_model,
 )
@@ -130,6 +131,20 @@ def test_int4_draft_kernel_stays_close_to_the_float_product_at_every_row_count(d
     assert not torch.equal(few, many)
     # Half a byte, a scale and offset per 32 weights, and the int8 copy's byte: under 2 a weight.
     assert layer.weight_bytes < 40 * 128 * 2
+
+
+def test_int4_draft_prompt_sized_products_stay_close_to_fbgemms_int8():
+    # A catch-up over a prompt multiplies tens to hundreds of rows through the many-row copy,
+    # on oneDNN where it runs int8 at full range: the same int8 weight as fbgemm's, so the
+    # products differ by activation rounding only.
+    layer = _linear(torch.float32, out_features=40, in_features=128)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    kernel = Int4Draft(layer.weight)
+    got, fbgemm = kernel(x, None), Int8Dynamic(layer.weight)(x, None)
+    assert float((got - fbgemm).norm() / fbgemm.norm()) < 0.02
+    engine = many_rows_engine()
+    assert engine in (None, "onednn")
+    assert torch.equal(got, Int8Dynamic(layer.weight, engine)(x, None))
 
 
 def test_int4_needs_whole_groups_of_input_features():

@@ -23,8 +23,8 @@ row or two (docs/formats.md).
   activations, whatever the model's dtype), which reads an eighth of fp32's bytes and is the
   fastest path for a few rows on AVX-512 CPUs; it does per row what a dense
   product does per block of rows, so its cost grows with the rows and, from a handful of rows on,
-  an fbgemm int8-dynamic copy of the same weight takes over (catch-up reads, prompt prefill,
-  large batches). Which copy runs depends on the batch, so rows depend on their batch-mates:
+  a dynamic int8 copy of the same weight takes over (catch-up reads, prompt prefill, large
+  batches), multiplied by oneDNN where it runs int8 at full range (``many_rows_engine``). Which copy runs depends on the batch, so rows depend on their batch-mates:
   acceptable for a draft only.
 """
 
@@ -52,18 +52,23 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-def _fbgemm_pack(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """fbgemm's prepacked form of the per-channel int8 weight, and the bytes it stands for."""
-    return _fbgemm_pack_int8(*quantize_weight_int8(weight))
-
-
-def _fbgemm_pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _pack_int8(
+    q: torch.Tensor, scale: torch.Tensor, engine: str | None = None
+) -> tuple[torch.Tensor, int]:
+    """The prepacked weight for ``quantized.linear_dynamic`` (fbgemm's, or the ``engine``'s: the
+    op runs whichever kernel packed its weight), and the bytes it stands for."""
     zero_points = torch.zeros(scale.numel(), dtype=torch.int64)
     with warnings.catch_warnings():
         # torch flags its quantized tensor type as deprecated; the fbgemm ops it feeds remain.
         warnings.simplefilter("ignore", UserWarning)
         qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
-    return torch.ops.quantized.linear_prepack(qweight, None), q.numel() + 4 * scale.numel()
+    current = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = engine or current
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+    finally:
+        torch.backends.quantized.engine = current
+    return packed, q.numel() + 4 * scale.numel()
 
 
 @functools.cache
@@ -74,9 +79,7 @@ def full_range_activations() -> bool:
     twice the rounding step. Probed on the kernel itself: rows of the largest activation times the
     largest weight, where a saturated pair would show."""
     k = 256
-    packed, _ = _fbgemm_pack_int8(
-        torch.full((16, k), 127, dtype=torch.int8), torch.full((16,), 1 / 127)
-    )
+    packed, _ = _pack_int8(torch.full((16, k), 127, dtype=torch.int8), torch.full((16,), 1 / 127))
     x = torch.ones(16, k)
     x[:, 0] = 0.0  # the range starts at 0: the other entries quantize to 255
     y = torch.ops.quantized.linear_dynamic(x, packed, False)
@@ -93,10 +96,11 @@ def _fbgemm_dense(packed: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Dynamic:
-    """fbgemm dynamic int8 linear: one activation scale per call (rows depend on each other)."""
+    """Dynamic int8 linear: one activation scale per call (rows depend on each other), through
+    fbgemm or, with ``engine="onednn"``, oneDNN's int8 product."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.packed, self.nbytes = _fbgemm_pack(weight)
+    def __init__(self, weight: torch.Tensor, engine: str | None = None) -> None:
+        self.packed, self.nbytes = _pack_int8(*quantize_weight_int8(weight), engine)
 
     def dense(self) -> torch.Tensor:
         return _fbgemm_dense(self.packed)
@@ -150,7 +154,7 @@ def onednn_rows_match_fbgemm() -> bool:
         ]
     except (RuntimeError, AttributeError):  # no oneDNN int8 in this torch build
         return False
-    fbgemm = _fbgemm_linear(codes, _fbgemm_pack_int8(q, scale)[0])
+    fbgemm = _fbgemm_linear(codes, _pack_int8(q, scale)[0])
     return all(torch.equal(r, fbgemm[: len(r)]) for r in rows)
 
 
@@ -167,7 +171,7 @@ class Int8RowScaled:
 
     def __init__(self, weight: torch.Tensor) -> None:
         q, self.scale = quantize_weight_int8(weight)
-        self.packed, self.nbytes = _fbgemm_pack_int8(q, self.scale)
+        self.packed, self.nbytes = _pack_int8(q, self.scale)
         self.row_sums = q.float().sum(dim=1) * self.scale  # W @ 1: what a row's offset adds
         self.levels = _activation_levels()
         self.onednn = None  # (packed weight, zero points) where oneDNN takes many-row products
@@ -201,9 +205,21 @@ class Int8RowScaled:
 # llama.cpp's 4-bit blocks). On the default pair's greedy outputs a 32-weight group agrees with
 # the target as often as the int8 draft does, 64 about 1% less often, for ~4% more kernel time.
 INT4_GROUP = 32
-# Up to this many rows the int4 kernel beats fbgemm's int8 on the default draft's layers (2-core
+# Up to this many rows the int4 kernel beats an int8 product on the default draft's layers (2-core
 # Xeon, AMX: 12 vs 18 ms at one row, 23 vs 25 ms at four; int8 wins from six rows on).
 INT4_MAX_ROWS = 4
+
+
+@functools.cache
+def many_rows_engine() -> str | None:
+    """The quantized engine of an int4 draft's many-row products: oneDNN where it is built in and
+    int8 products sum in int32 (VNNI or AMX), else fbgemm (None). fbgemm's cost grows with the
+    rows until a prompt-sized catch-up is compute-bound; oneDNN's stays nearly flat to 16 rows and
+    reaches AMX speed beyond (the default draft's layers on a 2-core Xeon with AMX: 23 / 29 / 530
+    ms through fbgemm at 8 / 16 / 512 rows, 22 / 23 / 154 through oneDNN)."""
+    if "onednn" in torch.backends.quantized.supported_engines and full_range_activations():
+        return "onednn"
+    return None
 
 
 def quantize_weight_int4(
@@ -253,7 +269,7 @@ class Int4Draft:
         self.scales_and_offsets = (
             torch.stack((scale.t(), offset.t()), dim=-1).to(torch.bfloat16).contiguous()
         )
-        self.many_rows = Int8Dynamic(weight)
+        self.many_rows = Int8Dynamic(weight, many_rows_engine())
         scales = self.scales_and_offsets
         self.nbytes = (
             self.packed.numel() + scales.numel() * scales.element_size() + self.many_rows.nbytes
