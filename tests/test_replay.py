@@ -213,6 +213,27 @@ def test_step_costs_interpolate_and_price_context():
     assert long > short
 
 
+def test_rows_past_a_curves_last_point_cost_what_they_add_to_the_longest_curve():
+    # One sequence measured to prompt-sized rows, flattening (weights read once); eight sequences
+    # measured to a few rows each, steep there (per-row work of a small-row kernel).
+    one = {1: 0.10, 8: 0.12, 64: 0.20, 512: 0.60}
+    eight = {8: 0.14, 16: 0.18}
+    table = linear_cost_table()
+    table["draft"] = [{"seqs": 1, "rows": r, "context": 32, "seconds": t} for r, t in one.items()]
+    table["draft"] += [
+        {"seqs": 8, "rows": r, "context": 32, "seconds": t} for r, t in eight.items()
+    ]
+    costs = StepCosts(table)
+    assert costs.draft(16, 8) == pytest.approx(0.18)  # measured points stay as measured
+    # 512 rows over 8 sequences: the last point plus the one-sequence rise from 16 to 512 rows,
+    # not the 8-sequence curve's end slope (5 ms a row) carried out to 512 rows.
+    rise = 0.60 - (0.12 + (0.20 - 0.12) * (16 - 8) / (64 - 8))
+    assert costs.draft(512, 8) == pytest.approx(0.18 + rise)
+    assert costs.draft(512, 8) < 0.18 + 496 * 0.005 / 2
+    # Between sequence counts the two curves' prices are interpolated as before.
+    assert costs.draft(512, 1) < costs.draft(512, 4) < costs.draft(512, 8)
+
+
 def test_suite_is_deterministic_and_has_the_required_shape(tmp_path):
     ts = synthetic_trace_set()
     save_traces(tmp_path / "t", ts.requests, ts.meta)
