@@ -195,22 +195,38 @@ def test_an_exploration_trial_is_charged_its_drafts_whole_catch_up():
     dear, however cheap that history would be spread over the sequence's remaining steps."""
 
     def explores(lag: int) -> bool:
-        policy = AdaptivePolicy(6, initial_acceptance=0.35, stop_drafts_early=False)
-        for _ in range(12):
-            for rows in (1, 2, 4, 8, 16, 64):
-                draft = [ForwardShape(rows, 1)]
-                policy.cost.observe(
-                    ForwardShape(rows, 1), 0.1 + 0.004 * rows, draft, 0.03 + 0.0005 * rows
-                )
-        seqs = make_seqs(1, context=1024)
-        seqs[0].params = SamplingParams(max_tokens=3000)  # spread over ~2,000 steps: ~1 row
-        seqs[0].num_draft_computed_tokens = 1024 - lag
-        decisions = [policy.decide(seqs, PrefillShape()).ks for _ in range(EXPLORE_INTERVAL + 1)]
+        # Drafting priced 6% below plain: outside the tie margin, inside the trial band.
+        decisions = _explore_decisions(initial_acceptance=0.25, lag=lag, steps=EXPLORE_INTERVAL + 1)
         assert not any(decisions[0])  # plain is held; speculation is a plausible runner-up
         return any(any(ks) for ks in decisions)
 
     assert explores(lag=1)
     assert not explores(lag=1000)
+
+
+def test_exploration_breaks_a_tie_towards_the_draft_length_not_being_measured():
+    """Drafting priced within the margin of the held plain decision (its lag spread over the
+    sequence's steps, as for any kept decision) becomes the held decision at an exploration step,
+    so that its acceptance gets measured; a one-step trial would have paid the whole lag."""
+    decisions = _explore_decisions(initial_acceptance=0.35, lag=1000, steps=EXPLORE_INTERVAL + 3)
+    assert not any(decisions[0])
+    assert all(any(ks) for ks in decisions[-3:])  # held from the exploration step on
+
+
+def _explore_decisions(initial_acceptance: float, lag: int, steps: int) -> list[list[int]]:
+    """Decisions over ``steps`` steps for one sequence 1024 tokens in whose draft lags by ``lag``,
+    on a machine where a draft forward costs 30% of a target forward."""
+    policy = AdaptivePolicy(6, initial_acceptance=initial_acceptance, stop_drafts_early=False)
+    for _ in range(12):
+        for rows in (1, 2, 4, 8, 16, 64):
+            draft = [ForwardShape(rows, 1)]
+            policy.cost.observe(
+                ForwardShape(rows, 1), 0.1 + 0.004 * rows, draft, 0.03 + 0.0005 * rows
+            )
+    seqs = make_seqs(1, context=1024)
+    seqs[0].params = SamplingParams(max_tokens=3000)  # spread over ~2,000 steps: ~1 row
+    seqs[0].num_draft_computed_tokens = 1024 - lag
+    return [policy.decide(seqs, PrefillShape()).ks for _ in range(steps)]
 
 
 def test_a_lagging_draft_is_charged_the_seconds_of_its_catch_up_spread_over_its_steps():

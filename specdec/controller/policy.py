@@ -371,18 +371,21 @@ class AdaptivePolicy:
     def _runner_up(
         self, seqs, choice: _Candidate, candidates: list[_Candidate], prefill: PrefillShape
     ) -> _Candidate:
-        """The candidate of another draft length that is best as a one-step trial (its drafts'
-        whole catch-up charged to it) when it is within ``EXPLORE_BAND`` of the choice, else the
-        choice; either way the exploration clock restarts."""
-
-        def trial_goodput(c: _Candidate) -> float:
-            seconds, _ = self._step(seqs, c, prefill, amortize=False)
-            return c.goodput * c.seconds / seconds
-
+        """Exploration. The best candidate of another draft length becomes the held decision when
+        it is within ``MARGIN`` of the choice: a tie under what is known is broken towards the
+        length not being measured (the band takes the decision back if the measurements
+        disappoint). Else the best as a one-step trial (its drafts' whole catch-up charged to it)
+        runs once when within ``EXPLORE_BAND`` of the choice. Either way the clock restarts."""
         self._since_explore = 0
-        shape = (choice.k, choice.tree_nodes)
-        trials = [(trial_goodput(c), c) for c in candidates if (c.k, c.tree_nodes) != shape]
-        goodput, runner_up = max(trials, key=lambda t: t[0], default=(0.0, choice))
+        others = [c for c in candidates if (c.k, c.tree_nodes) != (choice.k, choice.tree_nodes)]
+        tie = max(others, key=lambda c: c.goodput, default=choice)
+        if tie is not choice and tie.goodput >= choice.goodput * (1.0 - MARGIN):
+            self._held = (tie.k, tie.share, tie.tree_nodes)
+            return tie
+        trial = lambda c: c.goodput * c.seconds / self._step(seqs, c, prefill, False)[0]  # noqa: E731
+        goodput, runner_up = max(
+            ((trial(c), c) for c in others), key=lambda t: t[0], default=(0, choice)
+        )
         return runner_up if goodput >= choice.goodput * (1.0 - EXPLORE_BAND) else choice
 
     def _draft_stop(
