@@ -17,7 +17,7 @@ from specdec.engine.cpu_features import (
 from specdec.engine.errors import ConfigError
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.loader import resolve_draft_quantization, resolve_dtype
-from specdec.engine.models.layers import Linear
+from specdec.engine.models.layers import Linear, OneDNNPacked, onednn_available
 from specdec.engine.models.quant import (
     INT4_MAX_ROWS,
     Int4Draft,
@@ -110,6 +110,21 @@ def test_int8_kernels_stay_close_to_the_float_product(kernel):
     # int8 values (twice where the row-scaled kernel also holds oneDNN's copy), one fp32 scale a row
     copies = 2 if kernel is Int8RowScaled and onednn_rows_match_fbgemm() else 1
     assert layer.weight_bytes == copies * 40 * 24 + 40 * 4
+
+
+@pytest.mark.parametrize(("dtype", "max_rows"), [(torch.float32, 300), (torch.bfloat16, 32)])
+def test_onednn_rows_keep_their_bits_up_to_the_documented_row_count(dtype, max_rows):
+    # What greedy speculative == greedy plain rests on: a row's product does not depend on how
+    # many rows share the call, within the envelope docs/formats.md states per dtype.
+    if not onednn_available(dtype):
+        pytest.skip(f"oneDNN has no {dtype} kernel here")
+    gen = torch.Generator().manual_seed(6)
+    kernel = OneDNNPacked((torch.randn(2048, 1536, generator=gen) * 0.02).to(dtype))
+    x = torch.randn(max_rows, 1536, generator=gen).to(dtype)
+    alone = torch.cat([kernel(x[j : j + 1], None) for j in range(max_rows)])
+    for rows in sorted({2, 7, 16, 32, max_rows}):
+        assert torch.equal(kernel(x[:rows], None), alone[:rows]), rows
+        assert torch.equal(kernel(x[max_rows - rows :], None), alone[max_rows - rows :]), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

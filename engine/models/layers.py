@@ -32,7 +32,7 @@ class ElementwiseOps(Protocol):
     ) -> None: ...
 
 
-def _onednn_available(dtype: torch.dtype) -> bool:
+def onednn_available(dtype: torch.dtype) -> bool:
     if not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):
@@ -47,10 +47,12 @@ class OneDNNPacked:
 
     On CPU the default (MKL) GEMM gets several times slower from 1 to 2..16 rows, which makes
     verifying k draft tokens cost far more than decoding one; the packed path costs nearly the same
-    for 1..16 rows. Measured on this project's CPUs (fp32, and bf16 on AVX-512 BF16 / AMX), it
-    computes each row identically for every row count >= 2, so one-row inputs are padded to two
-    rows: a token's logits then do not depend on how many other rows share its batch, and greedy
-    speculative output equals greedy plain output bit for bit.
+    for 1..16 rows. Measured on this project's CPUs it computes each row identically for every
+    row count from 2 (fp32: to 300 rows tried; bf16 with AMX: to 32 rows, beyond which it switches
+    to a kernel whose rows depend on the row count), so one-row inputs are padded to two rows: a
+    token's logits then do not depend on how many other rows share a forward of up to 32 rows,
+    and greedy speculative output equals greedy plain output bit for bit within that envelope
+    (docs/formats.md).
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -85,7 +87,7 @@ class Linear(nn.Module):
         """Reorder the weight for oneDNN (fp32, or bf16 where oneDNN supports it) and drop the
         plain copy. True if packed."""
         w = self.weight
-        if self.kernel is not None or w.device.type != "cpu" or not _onednn_available(w.dtype):
+        if self.kernel is not None or w.device.type != "cpu" or not onednn_available(w.dtype):
             return False
         self.set_kernel(OneDNNPacked(w))
         return True
