@@ -55,6 +55,7 @@ from specdec.engine.tree_commit import (
     tree_row_contexts,
     tree_verify_entry,
 )
+from threadpoolctl import ThreadpoolController
 
 from specdec.controller.policy import (
     PrefillShape,
@@ -100,6 +101,10 @@ class LLMEngine:
         self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # The model's threads own the cores. OpenBLAS (numpy and scipy, under the speculation
+        # policy's cost fit: matrices of a few hundred rows) would wake threads of its own for
+        # each product that spin on after it, beside the model's: one thread is all it needs.
+        ThreadpoolController().select(internal_api="openblas").limit(limits=1)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         if self.device.type != "cpu" and {config.quantization, config.draft_quantization} != {

@@ -118,3 +118,16 @@ def test_adaptive_policy_is_seeded_from_a_cached_cost_table(tiny_pair, tmp_path,
     mtime = cached.stat().st_mtime_ns
     make_engine(*tiny_pair, controller_warmup=True)  # a restart reads the table
     assert cached.stat().st_mtime_ns == mtime
+
+
+def test_the_engine_leaves_openblas_one_thread_beside_the_models(tiny_pair):
+    """The policy's cost fit multiplies through numpy and scipy's OpenBLAS; threads that library
+    wakes for each product spin on after it, on the cores the model's threads run on."""
+    from threadpoolctl import ThreadpoolController
+
+    openblas = ThreadpoolController().select(internal_api="openblas")
+    if not openblas.lib_controllers:
+        pytest.skip("numpy and scipy use no OpenBLAS here")
+    with openblas.limit(limits=2):  # whatever the process had, restored after the test
+        make_engine(*tiny_pair)
+        assert {c.num_threads for c in openblas.lib_controllers} == {1}
