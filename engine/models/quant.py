@@ -24,8 +24,9 @@ row or two (docs/formats.md).
   fastest path for a few rows on AVX-512 CPUs; it does per row what a dense
   product does per block of rows, so its cost grows with the rows and, from a handful of rows on,
   a dynamic int8 copy of the same weight takes over (catch-up reads, prompt prefill, large
-  batches), multiplied by oneDNN where it runs int8 at full range (``many_rows_engine``). Which copy runs depends on the batch, so rows depend on their batch-mates:
-  acceptable for a draft only.
+  batches), multiplied by oneDNN where it runs int8 at full range (``many_rows_engine``). Which
+  copy runs depends on the batch, so rows depend on their batch-mates: acceptable for a draft
+  only.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _fbgemm_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic(x, packed, not full_range_activations())
 
 
-def _fbgemm_dense(packed: torch.Tensor) -> torch.Tensor:
-    """The dequantized float32 weight of a prepacked one."""
+def _int8_dense(packed: torch.Tensor) -> torch.Tensor:
+    """The dequantized float32 weight of a prepacked one (fbgemm's or oneDNN's)."""
     return torch.ops.quantized.linear_unpack(packed)[0].dequantize()
 
 
@@ -103,7 +104,7 @@ class Int8Dynamic:
         self.packed, self.nbytes = _pack_int8(*quantize_weight_int8(weight), engine)
 
     def dense(self) -> torch.Tensor:
-        return _fbgemm_dense(self.packed)
+        return _int8_dense(self.packed)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = _fbgemm_linear(x.float(), self.packed)
@@ -180,7 +181,7 @@ class Int8RowScaled:
             self.nbytes += q.numel()  # a second copy of the int8 weight, in oneDNN's layout
 
     def dense(self) -> torch.Tensor:
-        return _fbgemm_dense(self.packed)
+        return _int8_dense(self.packed)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xf = x.float()
@@ -215,8 +216,8 @@ def many_rows_engine() -> str | None:
     """The quantized engine of an int4 draft's many-row products: oneDNN where it is built in and
     int8 products sum in int32 (VNNI or AMX), else fbgemm (None). fbgemm's cost grows with the
     rows until a prompt-sized catch-up is compute-bound; oneDNN's stays nearly flat to 16 rows and
-    reaches AMX speed beyond (the default draft's layers on a 2-core Xeon with AMX: 23 / 29 / 530
-    ms through fbgemm at 8 / 16 / 512 rows, 22 / 23 / 154 through oneDNN)."""
+    reaches AMX speed beyond (the default draft's linear layers on a 2-core Xeon with AMX: 23 / 29 /
+    530 ms through fbgemm at 8 / 16 / 512 rows, 22 / 23 / 154 through oneDNN)."""
     if "onednn" in torch.backends.quantized.supported_engines and full_range_activations():
         return "onednn"
     return None

@@ -382,10 +382,10 @@ class AdaptivePolicy:
         if tie is not choice and tie.goodput >= choice.goodput * (1.0 - MARGIN):
             self._held = (tie.k, tie.share, tie.tree_nodes)
             return tie
-        trial = lambda c: c.goodput * c.seconds / self._step(seqs, c, prefill, False)[0]  # noqa: E731
-        goodput, runner_up = max(
-            ((trial(c), c) for c in others), key=lambda t: t[0], default=(0, choice)
-        )
+        goodput, runner_up = max(  # each as a one-step trial: its whole catch-up charged
+            ((c.goodput * c.seconds / self._step(seqs, c, prefill, False)[0], c) for c in others),
+            key=lambda t: t[0], default=(0.0, choice),
+        )  # fmt: skip
         return runner_up if goodput >= choice.goodput * (1.0 - EXPLORE_BAND) else choice
 
     def _draft_stop(
