@@ -34,8 +34,9 @@ HELP = {
     "speculative_policy": "how 'auto' requests get their k: adaptive (goodput from measured "
     "acceptance and step cost, docs/controller.md) or fixed (always k)",
     "spec_tree_max_nodes": "token trees: each drafting sequence drafts a tree of at most this "
-    "many nodes, k levels deep, verified in one target pass (0: chains; needs "
-    "--speculative-policy fixed; with ngram: several lookups merged; docs/token_trees.md)",
+    "many nodes, k levels deep, verified in one target pass (0: chains; the adaptive policy "
+    "picks trees, chains or plain per step; with ngram: several lookups merged; "
+    "docs/token_trees.md)",
     "spec_tree_growth": "how a tree grows each level: dynamic (the nodes of highest path "
     "probability, about max_nodes / k a level) or static (--spec-tree-branching children each)",
     "spec_tree_branching": "children per node of a static tree",

@@ -21,7 +21,7 @@ from scipy.optimize import nnls
 COST_WINDOW = 256  # live steps kept for the fit: minutes of serving, every recent shape in it
 CALIBRATION_WEIGHT = 0.25  # a bare forward counts a quarter of a live step where both exist
 SPEED_WINDOW = 9  # steps in the pace median: robust to a few outliers, follows a spell in seconds
-STALL_RATIO = 2.0  # a step over twice its prediction is a stall, not a price
+STALL_RATIO = 2.0  # a step over twice its shape's last time is a stall, not a price
 _SMOOTHNESS = 0.1  # weight of the slope-change penalty against one observation
 _ATTN_SCALE = 1e-6  # attention pairs are counted in millions to keep the system well scaled
 _KNOTS = tuple(2**i for i in range(17))  # 1 .. 65536 rows
