@@ -3,9 +3,13 @@
 Plain decodes (one row per sequence) and uniform verifies (1 + k rows per sequence) are timed at
 batch sizes 1, 2, 4, ... up to ``max_num_seqs``, fewest rows first while the time budget lasts,
 plus decodes over a long context (so the fit can tell attention from weights) and, for a draft
-model, its 1- and 2-row forwards and two catch-ups. Each shape runs on temporary sequences whose
-blocks come from the allocator and go back to it (the free count returns to where it started);
-the keys before the timed rows are whatever the pool holds: the numbers are timings, never text.
+model, its 1- and 2-row forwards and two catch-ups. With token trees of up to N nodes, verifies
+run up to 1 + N rows per sequence and a tree's draft levels several rows per sequence, far past
+a chain's shapes, so those are timed too: a fit of chain shapes alone would extrapolate to them,
+and a forward's cost is not linear in its rows that far (bf16 products change kernel past 32
+rows). Each shape runs on temporary sequences whose blocks come from the allocator and go back
+to it (the free count returns to where it started); the keys before the timed rows are whatever
+the pool holds: the numbers are timings, never text.
 
 A table is keyed by what sets the timings (processor or GPU model, dtype, threads, the model
 pair, the shapes asked for) and cached under ``$SPECDEC_HOME/calibration/``, so a restart on the
@@ -145,6 +149,7 @@ class CalibrationSpec:
     max_context: int = LONG_CONTEXT + 1
     budget_seconds: float = 30.0
     repeats: int = 2
+    tree_nodes: int = 0  # token trees of up to this many nodes: their verifies and draft levels
 
 
 def cached_or_measured(
@@ -206,7 +211,7 @@ def measure(
             return seconds
 
     sizes = _batch_sizes(spec.max_num_seqs)
-    target_shapes = _verify_shapes(sizes, spec.k_max, spec.max_rows)
+    target_shapes = _verify_shapes(sizes, max(spec.k_max, spec.tree_nodes), spec.max_rows)
     # Long-context decodes at the smallest and largest batch: attention against weights.
     long_context = min(LONG_CONTEXT, spec.max_context - 1)
     target_shapes += [(1, 1, long_context), (sizes[-1], 1, long_context)]
@@ -221,7 +226,8 @@ def measure(
     if draft is not None:
         # Draft forwards of 1-2 rows per sequence, and two catch-ups of one sequence: a draft
         # reading a prompt is compute-bound, its rows several times a decode row's price.
-        draft_shapes = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes)})
+        grid = draft_grid(sizes, spec.tree_nodes)
+        draft_shapes = sorted({(s, r, SHORT_CONTEXT) for s, r in grid})
         draft_shapes += [(1, 16, SHORT_CONTEXT), (1, 64, SHORT_CONTEXT)]
         _run_in_budget(
             draft_shapes,
@@ -256,9 +262,14 @@ def verify_grid(sizes: Iterable[int], k_max: int, max_rows: int) -> list[tuple[i
     return [(s, r) for s in sizes for r in range(1, k_max + 2) if s * r <= max_rows]
 
 
-def draft_grid(sizes: Iterable[int]) -> list[tuple[int, int]]:
-    """(sequences, rows each) of the draft forwards a step runs at these batch sizes."""
-    return [(s, r) for s in sizes for r in DRAFT_ROWS_PER_SEQUENCE]
+def draft_grid(sizes: Iterable[int], tree_nodes: int = 0) -> list[tuple[int, int]]:
+    """(sequences, rows each) of the draft forwards a step runs at these batch sizes: a chain's
+    one or two rows per sequence and, with trees of ``tree_nodes`` nodes, a level's rows: powers
+    of two up to half the nodes (a dynamic tree's widest level; the fit interpolates between)."""
+    rows = list(DRAFT_ROWS_PER_SEQUENCE)
+    while rows[-1] * 2 <= tree_nodes // 2:
+        rows.append(rows[-1] * 2)
+    return [(s, r) for s in sizes for r in rows]
 
 
 def _verify_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[tuple[int, int, int]]:

@@ -69,6 +69,7 @@ def build_policy(
             max_rows=config.max_num_batched_tokens,
             max_context=max_model_len,
             budget_seconds=CALIBRATION_SECONDS,
+            tree_nodes=config.spec_tree_max_nodes,
         )
         machine = machine_description(target.device, dtype, models)
         if config.kv_cache_dtype != "auto":  # pages read through a cast: other timings

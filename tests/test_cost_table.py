@@ -49,6 +49,30 @@ def test_measure_times_target_and_draft_shapes_and_frees_every_block():
     assert cost.target_time(ForwardShape(1, 1)) > 0 and cost.draft_time([ForwardShape(1, 1)]) > 0
 
 
+def test_with_trees_the_table_times_tree_verifies_and_wide_draft_levels():
+    engine = _engine()
+    free = engine.allocator.num_free_blocks
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
+
+    def shapes(tree_nodes: int) -> dict[str, set[tuple[int, int]]]:
+        spec = CalibrationSpec(4, 3, max_rows=128, budget_seconds=60.0, repeats=1,
+                               tree_nodes=tree_nodes)  # fmt: skip
+        ticks = iter(range(1, 10**9))
+        args = (engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+        table = measure(*args, clock=lambda: next(ticks) * 1e-3)
+        return {m: {(s.seqs, s.rows // s.seqs) for s in table.samples if s.model == m}
+                for m in ("target", "draft")}  # fmt: skip
+
+    chains, trees = shapes(0), shapes(16)
+    assert engine.allocator.num_free_blocks == free
+    # A 16-node tree verifies 17 rows per sequence; a chain of k = 3 at most 4.
+    assert max(r for _, r in chains["target"] if _ > 1) == 4
+    assert (4, 17) in trees["target"] and (2, 17) in trees["target"]
+    # A dynamic tree's widest level holds half its nodes: draft forwards of up to 8 rows each.
+    assert max(r for _, r in chains["draft"] if _ > 1) == 2
+    assert {(4, 4), (4, 8)} <= trees["draft"]
+
+
 def test_table_is_cached_per_machine_and_spec(tmp_path):
     engine = _engine()
     spec = CalibrationSpec(max_num_seqs=2, k_max=2, max_rows=16, budget_seconds=2.0, repeats=1)
