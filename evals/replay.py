@@ -26,6 +26,7 @@ resamples a token from the residual and the text diverges).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -196,20 +197,19 @@ class _TraceRunner:
 
 class TraceTargetRunner(_TraceRunner):
     def run(self, entries: Sequence[RunEntry]) -> torch.Tensor:
-        logits = torch.zeros(sum(e.num_logits for e in entries), LOCAL_VOCAB)
-        row = 0
+        hot = []  # per logits row, the id whose logit is 1 (every other is 0)
         rows_by_temperature = [0, 0]  # greedy, sampled: what the live engine would sample
         for e in entries:
             req = self.book.get(e.seq.request_id)
             if req is not None:
                 rows_by_temperature[req.temperature > 0] += e.num_logits
-            positions = _row_positions(e)
-            for j in range(e.num_logits):
+            for position in _row_positions(e):
                 # the row at position i predicts the token at i + 1 (a tree node off the path
                 # gets the path's token too: the verify never reads its row)
-                tok = req.token_at(positions[j] + 1) if req is not None else None
-                logits[row, tok if tok is not None else FIRST_ID] = 1.0
-                row += 1
+                tok = req.token_at(position + 1) if req is not None else None
+                hot.append(tok if tok is not None else FIRST_ID)
+        logits = torch.zeros(len(hot), LOCAL_VOCAB)
+        logits[torch.arange(len(hot)), torch.tensor(hot, dtype=torch.long)] = 1.0
         self.num_forwards += 1
         shape = [(len(e.token_ids), e.start_pos) for e in entries]
         self.clock.charge(self.costs.target_seconds(shape, *rows_by_temperature))
@@ -218,19 +218,16 @@ class TraceTargetRunner(_TraceRunner):
 
 class TraceDraftRunner(_TraceRunner):
     def run(self, entries: Sequence[RunEntry]) -> torch.Tensor:
-        logits = torch.empty(sum(e.num_logits for e in entries), LOCAL_VOCAB)
-        row = 0
+        rows = []
         rows_by_temperature = [0, 0]
         for e in entries:
             req = self.book.get(e.seq.request_id)
             if req is not None:
                 rows_by_temperature[req.temperature > 0] += e.num_logits
-            positions = _row_positions(e)
             fed_tokens = list(e.token_ids)[len(e.token_ids) - e.num_logits :]
-            for j in range(e.num_logits):
-                pos = positions[j] + 1  # the position this row predicts
-                logits[row] = _draft_row(req, pos, fed_tokens[j])
-                row += 1
+            for position, fed in zip(_row_positions(e), fed_tokens, strict=True):
+                rows.append(_draft_row(req, position + 1, fed))  # the row predicts position + 1
+        logits = torch.stack(rows) if rows else torch.empty(0, LOCAL_VOCAB)
         self.num_forwards += 1
         entries_shape = [(len(e.token_ids), e.start_pos) for e in entries]
         greedy, sampled = rows_by_temperature
@@ -259,25 +256,34 @@ def _draft_row(req: ReplayRequest | None, pos: int, fed: int) -> torch.Tensor:
     truth = req.token_at(pos) if req is not None else None
     k = pos - len(req.prompt) if req is not None else -1
     if truth is None or k < 0 or fed != req.token_at(pos - 1):
-        row = torch.full((LOCAL_VOCAB,), math.log(0.5 / (LOCAL_VOCAB - 1)))
-        row[truth if truth is not None else FIRST_ID] = math.log(0.5)
-        return row
+        return _off_path_row(truth if truth is not None else FIRST_ID)
+    return _path_row(truth, int(req.rank[k]), req.top_probs[k].tobytes())
+
+
+@functools.cache
+def _off_path_row(proposal: int) -> torch.Tensor:
+    row = torch.full((LOCAL_VOCAB,), math.log(0.5 / (LOCAL_VOCAB - 1)))
+    row[proposal] = math.log(0.5)
+    return row
+
+
+@functools.cache
+def _path_row(truth: int, rank: int, top_probs: bytes) -> torch.Tensor:
     # Recorded order kept on ties (a slightly smaller probability at each later rank).
-    probs = [
-        min(max(float(p), 1e-6), 0.999) * (1 - 1e-3 * r) for r, p in enumerate(req.top_probs[k])
-    ]
+    recorded = np.frombuffer(top_probs, dtype=np.float64)
+    probs = [min(max(float(p), 1e-6), 0.999) * (1 - 1e-3 * r) for r, p in enumerate(recorded)]
     # The rest of the mass spread over the other ids: the row's probabilities are the recorded
     # ones (a stop rule reads them) unless that would outrank a recorded choice.
     rest = min(probs[-1] * 0.999, max(1.0 - sum(probs), 0.0) / (LOCAL_VOCAB - TOP_K))
-    row = torch.full((LOCAL_VOCAB,), math.log(max(rest, 1e-9)))
-    rank, other = int(req.rank[k]), truth
+    row = [math.log(max(rest, 1e-9))] * LOCAL_VOCAB
+    other = truth
     for r, p in enumerate(probs):
         if r == rank:
             row[truth] = math.log(p)
         else:
             other = other_id(other)
             row[other] = math.log(p)
-    return row
+    return torch.tensor(row, dtype=torch.float32)
 
 
 def replay_arch() -> ModelArch:
