@@ -5,12 +5,13 @@ Measured (``measure_cost_table``) with the policy's own calibration timer
 sequences from the engine's allocator):
 
 - ``target``: forwards by (sequences, rows) at a short context, every uniform verify shape up to
-  ``MAX_K + 1`` rows per sequence at 1-32 sequences (every row's logits kept, as a verify does),
-  plus single-sequence prefill chunks (the last row's logits only);
+  ``MAX_K + 1`` rows per sequence at 1-32 sequences and the token trees' verifies at 2-32 (1 + N
+  rows per sequence for N in ``TREE_NODES``; every row's logits kept, as a verify does), plus
+  single-sequence prefill chunks (the last row's logits only);
 - ``target_context``: a few of those shapes again after 256-4000 context tokens per sequence;
 - ``target_prefill_context``: a 512-row prefill chunk after 1024-3500 context tokens;
 - ``draft``, ``draft_context``, ``draft_prefill_context``: the same for the draft (1-2 rows per
-  sequence, plus catch-ups);
+  sequence, a tree level's 4-8, plus catch-ups);
 - ``sampling``: the engine's sampling (warp and draw) over the real vocabulary, by rows, greedy
   (temperature 0) and sampled (temperature 1).
 
@@ -28,6 +29,7 @@ import bisect
 from collections.abc import Sequence
 
 MAX_K = 6
+TREE_NODES = (8, 16)  # the replay's tree policies and adaptive_trees draft trees of these sizes
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 PREFILL_ROWS = (16, 32, 64, 128, 256, 512)
 CONTEXTS = (256, 1024, 2048, 4000)
@@ -70,13 +72,15 @@ def _measure_once(target_engine, draft_engine, repeats: int) -> dict:
     from specdec.engine.sampling import RowContext, greedy_picks
     from specdec.engine.sampling_params import SamplingParams
 
+    verify_rows = {*range(1, MAX_K + 2), *(1 + n for n in TREE_NODES)}
+
     def sweep(engine, shapes, context, logits_all: bool) -> list[dict]:
         out = []
         for seqs, rows in shapes:
             if context + rows > engine.target.arch.max_position_embeddings:
                 continue
             # verify shapes keep every row's logits, prefill chunks and drafts only the last
-            logits = rows if logits_all and rows <= MAX_K + 1 else 1
+            logits = rows if logits_all and rows in verify_rows else 1
             t = time_forward(
                 engine.target_runner,
                 engine.allocator,
@@ -93,6 +97,9 @@ def _measure_once(target_engine, draft_engine, repeats: int) -> dict:
 
     max_rows = target_engine.config.max_num_batched_tokens
     grid = verify_grid(BATCH_SIZES, MAX_K, max_rows)
+    # Trees over two sequences and more: one sequence's curve is the prompt chunks' (one logits
+    # row each), and a tree's 1 + N logits rows among them would price the chunks of nearby rows.
+    grid += [(s, 1 + n) for s in BATCH_SIZES[1:] for n in TREE_NODES if s * (1 + n) <= max_rows]
     grid += [(1, r) for r in PREFILL_ROWS if r > MAX_K + 1 and r <= max_rows]
     # warm-up: the first forwards pay one-off allocations
     sweep(target_engine, [(1, 1)], SHORT_CONTEXT, True)
@@ -105,7 +112,7 @@ def _measure_once(target_engine, draft_engine, repeats: int) -> dict:
     table["target_prefill_context"] = [
         row for c in PREFILL_CONTEXTS for row in sweep(target_engine, [(1, 512)], c, False)
     ]
-    draft_shapes = draft_grid(BATCH_SIZES) + [(1, r) for r in DRAFT_CATCH_UP_ROWS]
+    draft_shapes = draft_grid(BATCH_SIZES, max(TREE_NODES)) + [(1, r) for r in DRAFT_CATCH_UP_ROWS]
     table["draft"] = sweep(draft_engine, draft_shapes, SHORT_CONTEXT, False)
     table["draft_context"] = [
         row for c in CONTEXTS for row in sweep(draft_engine, DRAFT_CONTEXT_SHAPES, c, False)

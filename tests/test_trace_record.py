@@ -89,6 +89,9 @@ def test_cost_table_times_every_kind_of_shape_on_a_tiny_pair():
         assert table[kind] and all(row["seconds"] > 0 for row in table[kind])
     assert {row["temperature"] for row in table["sampling"]} == {0.0, 1.0}
     assert StepCosts(table).target_seconds([(4, 32)], greedy_rows=4) > 0
+    # Token trees' verifies (1 + 8 rows per sequence) and draft levels (4 rows each) are timed.
+    assert any(r["seqs"] == 2 and r["rows"] == 18 for r in table["target"])
+    assert any(r["seqs"] == 2 and r["rows"] == 8 for r in table["draft"])
     after = (target_engine.allocator.num_free_blocks, draft_engine.allocator.num_free_blocks)
     assert after == free
 
