@@ -129,20 +129,23 @@ def test_onednn_rows_keep_their_bits_up_to_the_documented_row_count(dtype, max_r
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_draft_kernel_stays_close_to_the_float_product_at_every_row_count(dtype):
-    # 40 outputs: off the kernel's 16-channel blocks, so the padding is exercised too.
+    # 40 outputs: off the kernels' 16-channel blocks, so the padding is exercised too.
     layer = _linear(torch.float32, out_features=40, in_features=128)
-    x = torch.randn(2 * INT4_MAX_ROWS, 128, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(4))
     want = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    layer.set_kernel(Int4Draft(layer.weight.to(dtype)))
+    kernel = Int4Draft(layer.weight.to(dtype))
+    few_rows = kernel.max_rows
+    assert few_rows >= INT4_MAX_ROWS
+    layer.set_kernel(kernel)
     layer.bias.data = layer.bias.data.to(dtype)
-    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 2 * INT4_MAX_ROWS):  # int4, then int8
+    for rows in (1, few_rows, few_rows + 1, 16):  # int4, then int8
         got = layer(x[:rows].to(dtype))
         assert got.dtype == dtype and got.shape == (rows, 40)
         # 4-bit codes in groups of 32: under a tenth of each weight's spread is rounding.
         assert float((got.float() - want[:rows]).norm() / want[:rows].norm()) < 0.15
     # The few-row path is int4, not the int8 copy: its error is the larger one.
     few = layer(x[:1].to(dtype)).float()
-    many = layer(torch.cat([x[:1]] * (INT4_MAX_ROWS + 1)).to(dtype))[:1].float()
+    many = layer(torch.cat([x[:1]] * (few_rows + 1)).to(dtype))[:1].float()
     assert not torch.equal(few, many)
     # Half a byte, a scale and offset per 32 weights, and the int8 copy's byte: under 2 a weight.
     assert layer.weight_bytes < 40 * 128 * 2

@@ -19,14 +19,14 @@ row or two (docs/formats.md).
   three rows on, oneDNN's int8 product takes over where it returns fbgemm's bits for the same
   codes (``onednn_rows_match_fbgemm``): its cost stays flat with the rows.
 - ``Int4Draft`` (scheme "int4", drafts only): 4-bit weights in groups along the input with a
-  scale and offset per group, multiplied by torch's CPU int4 weight-only kernel (bf16
-  activations, whatever the model's dtype), which reads an eighth of fp32's bytes and is the
-  fastest path for a few rows on AVX-512 CPUs; it does per row what a dense
-  product does per block of rows, so its cost grows with the rows and, from a handful of rows on,
-  a dynamic int8 copy of the same weight takes over (catch-up reads, prompt prefill, large
-  batches), multiplied by oneDNN where it runs int8 at full range (``many_rows_engine``). Which
-  copy runs depends on the batch, so rows depend on their batch-mates: acceptable for a draft
-  only.
+  scale and offset per group. A product of a few rows runs the native kernel
+  (``int4_native``: 4-bit codes times 8-bit activation codes with AVX-512 VNNI, built on first use)
+  or, on CPUs without VNNI or without a C compiler, torch's CPU int4 weight-only kernel (bf16
+  activations, whatever the model's dtype). Both read an eighth of fp32's bytes, and their cost
+  grows with the rows, so from a handful of rows on (8 native, 4 torch) a dynamic int8 copy of
+  the same weight takes over (catch-up reads, prompt prefill, large batches), multiplied by
+  oneDNN where it runs int8 at full range (``many_rows_engine``). Which copy runs depends on the
+  batch, so rows depend on their batch-mates: acceptable for a draft only.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import functools
 import warnings
 
 import torch
+from specdec.engine.models import int4_native
 from specdec.engine.models.layers import Linear
 from torch import nn
 
@@ -206,9 +207,12 @@ class Int8RowScaled:
 # llama.cpp's 4-bit blocks). On the default pair's greedy outputs a 32-weight group agrees with
 # the target as often as the int8 draft does, 64 about 1% less often, for ~4% more kernel time.
 INT4_GROUP = 32
-# Up to this many rows the int4 kernel beats an int8 product on the default draft's layers (2-core
-# Xeon, AMX: 12 vs 18 ms at one row, 23 vs 25 ms at four; int8 wins from six rows on).
+# Up to this many rows an int4 product beats the int8 copy on the default draft's layers (2-core
+# Xeon, AMX, all 97 products of one draft forward streamed from memory): torch's kernel 12 vs 18
+# ms at one row, 23 vs 25 at four, int8 from six rows on; the native kernel 12 / 15 / 20 ms at 1 /
+# 4 / 8 rows against 24-31 for int8 (which wins from about 12 rows).
 INT4_MAX_ROWS = 4
+NATIVE_INT4_MAX_ROWS = 8
 
 
 @functools.cache
@@ -257,31 +261,42 @@ class Int4Draft:
         out_features, in_features = weight.shape
         self.out_features = out_features
         self.group = _int4_group(in_features)
-        # The kernel packs output channels in blocks of 16: pad with zero rows, slice them off.
-        padded = -out_features % 16
+        self.native = int4_native.library()
+        self.max_rows = INT4_MAX_ROWS if self.native is None else NATIVE_INT4_MAX_ROWS
         w = weight.detach()
-        if padded:
-            w = torch.cat((w, w.new_zeros(padded, in_features)))
-        q, scale, offset = quantize_weight_int4(w, self.group)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        if self.native is not None:
+            q, scale, offset = quantize_weight_int4(w, self.group)
+            # The native kernel's convention: w = scale * q + base.
+            self.packed = int4_native.pack(q, scale, offset - 8 * scale)
+            held = self.packed.numel()
+        else:
+            # torch's kernel packs output channels in blocks of 16: pad with zero rows, slice
+            # them off.
+            padded = -out_features % 16
+            if padded:
+                w = torch.cat((w, w.new_zeros(padded, in_features)))
+            q, scale, offset = quantize_weight_int4(w, self.group)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            # [in / group, out, 2]: the kernel's layout of (scale, offset) per group and channel,
+            # in the dtype of the activations it is given (bf16, below).
+            self.scales_and_offsets = (
+                torch.stack((scale.t(), offset.t()), dim=-1).to(torch.bfloat16).contiguous()
+            )
+            held = self.packed.numel() + self.scales_and_offsets.numel() * 2
         del q
-        # [in / group, out, 2]: the kernel's layout of (scale, offset) per group and channel, in
-        # the dtype of the activations it is given (bf16, below).
-        self.scales_and_offsets = (
-            torch.stack((scale.t(), offset.t()), dim=-1).to(torch.bfloat16).contiguous()
-        )
         self.many_rows = Int8Dynamic(weight, many_rows_engine())
-        scales = self.scales_and_offsets
-        self.nbytes = (
-            self.packed.numel() + scales.numel() * scales.element_size() + self.many_rows.nbytes
-        )
+        self.nbytes = held + self.many_rows.nbytes
 
     def dense(self) -> torch.Tensor:
         return self.many_rows.dense()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > INT4_MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return self.many_rows(x, bias)
+        if self.native is not None:
+            return int4_native.linear(self.native, self.packed, self.out_features, x, bias).to(
+                x.dtype
+            )
         # The kernel's vectorised path takes bf16 activations (fp32 ones ran ~30x slower).
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, self.group, self.scales_and_offsets

@@ -1,7 +1,7 @@
 """What each draft format costs in acceptance and saves in draft time, on the real pair.
 
     python -m specdec.evals.formats.draft_quality --output-dir docs/results/formats \
-        --draft-quantizations none,int8-dynamic,int4
+        --draft-quantizations none,int8-dynamic,int4,int4+torch
 
 For every draft format (``--draft-quantization``), the draft reads each committed greedy output
 of the target (``docs/results/draft_vocab/greedy_outputs.jsonl``) the way it drafts: the prompt in
@@ -19,6 +19,7 @@ is acceptance, and so the speed, which the adaptive policy prices from the measu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import statistics
@@ -26,10 +27,13 @@ import sys
 from pathlib import Path
 
 import torch
+from specdec.engine.models import int4_native
 from specdec.evals.draft_vocab import corpus as corpus_io
 from specdec.evals.draft_vocab.replay import GreedyReplay, replay_greedy
 
 KS = (2, 4, 6)
+# A format named ``int4+torch`` is the int4 draft on torch's kernel instead of the native one.
+TORCH_KERNEL = "torch"
 CORPUS = "docs/results/draft_vocab/greedy_outputs.jsonl"
 
 
@@ -74,8 +78,12 @@ def measure(args: argparse.Namespace) -> dict:
     target = load_model(DEFAULT_TARGET, dtype, torch.device("cpu"), progress=False)
     engines = {}
     for fmt in args.draft_quantizations.split(","):
-        config = Arm(dtype_name, "none", fmt).config(args.threads)
-        engines[fmt] = LLMEngine(config, target=target, progress=False)
+        scheme, _, kernel = fmt.partition("+")
+        config = Arm(dtype_name, "none", scheme).config(args.threads)
+        if kernel not in ("", TORCH_KERNEL):
+            raise SystemExit(f"{fmt!r}: the only kernel suffix is +{TORCH_KERNEL}")
+        with int4_native.switched_off() if kernel else contextlib.nullcontext():
+            engines[fmt] = LLMEngine(config, target=target, progress=False)
     rows = {}
     for fmt, engine in engines.items():
         agree_all: list[bool] = []
