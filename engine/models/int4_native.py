@@ -1,132 +1,19 @@
-"""The native int4 draft kernel (``int4_matmul.c``): built once per machine with the system's C
-compiler, loaded with ctypes, used where the CPU has AVX-512 VNNI.
+"""int4 products of a few rows through the native kernel (``int4_matmul.c``, loaded by
+``native``): the weight layout it reads, and the call.
 
 torch's own CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) streams a one-row product's
-weights at about half the memory bandwidth an int8 product reaches on the same machine; the
-native kernel multiplies 4-bit codes by 8-bit activation codes with VNNI dot products and
-reaches about that bandwidth (docs/formats.md). Both read the same codes, scales and offsets.
-
-The shared library is compiled on first use into ``$SPECDEC_HOME/kernels/`` under a name that
-digests the source, the flags and the compiler, so an edit or another compiler builds anew and a
-restart only loads it. It is built with ``-fopenmp`` against ``libgomp.so.1``: torch's CPU wheel
-ships the same soname, so both share one OpenMP runtime and thread pool instead of competing
-for the cores. ``SPECDEC_NATIVE_INT4=0`` turns it off (torch's kernel then runs), for side by side
-measurements. Without a compiler, or on a CPU without VNNI, torch's kernel runs.
+weights at about two thirds of the memory bandwidth the native kernel reaches on the same
+machine (docs/formats.md); both read the same 4-bit codes, scales and offsets.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-from specdec.engine.weights.cache import specdec_home
 
-SWITCH_ENV = "SPECDEC_NATIVE_INT4"
 GROUP = 32  # inputs per scale and base; int4_matmul.c's GROUP
 BLOCK = 16  # output channels per block; one zmm of int32 sums
-_SOURCE = Path(__file__).with_name("int4_matmul.c")
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp", "-fPIC")
-_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed into place, so concurrent first uses (test workers,
-    # replicas) never load a half-written library.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run(
-            [compiler, *_FLAGS, "-shared", str(_SOURCE), "-o", str(built)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        os.replace(built, target)
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None where it is switched off, unsupported, or cannot be built."""
-    if os.environ.get(SWITCH_ENV, "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    if not _cpu_flags() >= _CPU_FLAGS:
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        warnings.warn(
-            "no C compiler found: the int4 draft runs torch's slower kernel", stacklevel=2
-        )
-        return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode())
-    target = specdec_home() / "kernels" / f"int4_matmul-{digest.hexdigest()[:16]}.so"
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        warnings.warn(
-            f"the native int4 kernel could not be built ({detail.strip()[-300:]}): "
-            "the int4 draft runs torch's slower kernel",
-            stacklevel=2,
-        )
-        return None
-    lib.int4_linear.restype = ctypes.c_int
-    lib.int4_linear.argtypes = [
-        ctypes.c_void_p,  # packed weight
-        ctypes.c_int,  # output features
-        ctypes.c_int,  # input features
-        ctypes.c_void_p,  # x
-        ctypes.c_int,  # rows
-        ctypes.c_void_p,  # bias or NULL
-        ctypes.c_int,  # 1: x, bias and y are bfloat16; 0: float32
-        ctypes.c_void_p,  # y
-    ]
-    return lib
-
-
-@contextlib.contextmanager
-def switched_off() -> Iterator[None]:
-    """int4 weights quantized inside this block take torch's kernel (for side by side
-    measurements in one process; the kernel is chosen when a weight is quantized)."""
-    previous = os.environ.get(SWITCH_ENV)
-    os.environ[SWITCH_ENV] = "0"
-    library.cache_clear()
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[SWITCH_ENV]
-        else:
-            os.environ[SWITCH_ENV] = previous
-        library.cache_clear()
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ import functools
 import warnings
 
 import torch
-from specdec.engine.models import int4_native
+from specdec.engine.models import int4_native, native
 from specdec.engine.models.layers import Linear
 from torch import nn
 
@@ -261,7 +261,7 @@ class Int4Draft:
         out_features, in_features = weight.shape
         self.out_features = out_features
         self.group = _int4_group(in_features)
-        self.native = int4_native.library()
+        self.native = native.library()
         self.max_rows = INT4_MAX_ROWS if self.native is None else NATIVE_INT4_MAX_ROWS
         w = weight.detach()
         if self.native is not None:
@@ -308,6 +308,8 @@ class Int4Draft:
 
 
 KERNELS = {"int8": Int8RowScaled, "int8-dynamic": Int8Dynamic, "int4": Int4Draft}
+# Schemes whose rows depend on their batch-mates: offered for drafts only.
+DRAFT_ONLY_SCHEMES = frozenset({"int8-dynamic", "int4"})
 
 
 def quantize_model(model: nn.Module, scheme: str) -> int:

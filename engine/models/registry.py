@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from specdec.engine.models import native
 from specdec.engine.models.arch import ModelArch, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
-from specdec.engine.models.quant import quantize_model
+from specdec.engine.models.native_elementwise import NativeElementwiseOps, fits
+from specdec.engine.models.quant import DRAFT_ONLY_SCHEMES, quantize_model
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen2ForCausalLM": DecoderLM,
@@ -37,7 +39,8 @@ def build_model(
 ) -> DecoderLM:
     """Instantiate, load weights tensor by tensor, and prepare kernels for the device: the linear
     layers in `quantization` (a scheme of `specdec.engine.models.quant`; CPU only), else packed
-    for oneDNN on CPU."""
+    for oneDNN on CPU. A model in a draft-only scheme also runs its norms, activation and rope
+    through the native kernels where they build (`native_elementwise`)."""
     if quantization != "none" and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on CPU only, not on {device.type}")
     model = instantiate_model(arch, dtype, device)
@@ -48,7 +51,18 @@ def build_model(
     quantize_model(model, quantization)
     if device.type == "cpu":
         model.pack_linear_weights()
+        if quantization in DRAFT_ONLY_SCHEMES:
+            model.use_fused_ops(native_elementwise_ops(arch, dtype))
     return model
+
+
+def native_elementwise_ops(arch: ModelArch, dtype: torch.dtype) -> NativeElementwiseOps | None:
+    """The native norm, activation and rope kernels for a draft of this shape, where they build
+    and fit (None: the torch layers)."""
+    lib = native.library()
+    if lib is None or not fits(arch.hidden_size, arch.intermediate_size, dtype):
+        return None
+    return NativeElementwiseOps(lib)
 
 
 __all__ = ["ModelArch", "build_model", "model_arch_from_hf_config"]

@@ -27,12 +27,12 @@ import sys
 from pathlib import Path
 
 import torch
-from specdec.engine.models import int4_native
+from specdec.engine.models import native
 from specdec.evals.draft_vocab import corpus as corpus_io
 from specdec.evals.draft_vocab.replay import GreedyReplay, replay_greedy
 
 KS = (2, 4, 6)
-# A format named ``int4+torch`` is the int4 draft on torch's kernel instead of the native one.
+# A format named ``int4+torch`` is the int4 draft on the torch kernels instead of the native ones.
 TORCH_KERNEL = "torch"
 CORPUS = "docs/results/draft_vocab/greedy_outputs.jsonl"
 
@@ -82,7 +82,7 @@ def measure(args: argparse.Namespace) -> dict:
         config = Arm(dtype_name, "none", scheme).config(args.threads)
         if kernel not in ("", TORCH_KERNEL):
             raise SystemExit(f"{fmt!r}: the only kernel suffix is +{TORCH_KERNEL}")
-        with int4_native.switched_off() if kernel else contextlib.nullcontext():
+        with native.switched_off() if kernel else contextlib.nullcontext():
             engines[fmt] = LLMEngine(config, target=target, progress=False)
     rows = {}
     for fmt, engine in engines.items():

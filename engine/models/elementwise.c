@@ -1,0 +1,134 @@
+/* A decoder layer's element-wise work for one call each: RMSNorm (with the residual add folded
+ * in), SiLU-and-multiply, rotary embedding. A CPU decode step of a small model is mostly such
+ * calls; in torch each of them is several kernels with a few microseconds of dispatch each.
+ *
+ * Every value is computed in float32 and rounded once to the tensor's dtype (float32 or bf16,
+ * round to nearest even), each row on its own: a row's result never depends on the other rows.
+ * The rounding differs from the torch layers' (they round between steps), so these serve drafts,
+ * whose numbers may differ from the target's without changing the output.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float load_value(const void *p, size_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void store_value(void *p, size_t i, float v, int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = v;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+}
+
+static void norm_row(const float *v, const void *weight, int n, float eps, int bf16, void *out) {
+    float squares = 0.f;
+    for (int i = 0; i < n; i++) squares += v[i] * v[i];
+    float inverse = 1.f / sqrtf(squares / (float)n + eps);
+    for (int i = 0; i < n; i++) store_value(out, i, v[i] * inverse * load_value(weight, i, bf16), bf16);
+}
+
+/* out[r] = weight * x[r] / rms(x[r]); n <= 16384. */
+void rms_norm(const void *x, const void *weight, int rows, int n, float eps, int bf16, void *out) {
+    size_t element = bf16 ? 2 : 4;
+    float v[16384];
+    for (int r = 0; r < rows; r++) {
+        const char *row = (const char *)x + (size_t)r * n * element;
+        for (int i = 0; i < n; i++) v[i] = load_value(row, i, bf16);
+        norm_row(v, weight, n, eps, bf16, (char *)out + (size_t)r * n * element);
+    }
+}
+
+/* In place: residual[r] += x[r] (rounded to the dtype), then x[r] = norm(residual[r]). */
+void add_rms_norm(void *x, void *residual, const void *weight, int rows, int n, float eps,
+                  int bf16) {
+    size_t element = bf16 ? 2 : 4;
+    float v[16384];
+    for (int r = 0; r < rows; r++) {
+        char *xr = (char *)x + (size_t)r * n * element;
+        char *rr = (char *)residual + (size_t)r * n * element;
+        for (int i = 0; i < n; i++) {
+            store_value(rr, i, load_value(xr, i, bf16) + load_value(rr, i, bf16), bf16);
+            v[i] = load_value(rr, i, bf16);
+        }
+        norm_row(v, weight, n, eps, bf16, xr);
+    }
+}
+
+/* exp(x) for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7
+ * (relative error under 2e-7), times 2^n. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]; n a multiple of 16. */
+void silu_and_mul(const void *gate_up, int rows, int n, int bf16, void *out) {
+    size_t element = bf16 ? 2 : 4;
+    float g[16], u[16];
+    for (int r = 0; r < rows; r++) {
+        const char *in = (const char *)gate_up + (size_t)r * 2 * n * element;
+        char *o = (char *)out + (size_t)r * n * element;
+        for (int i = 0; i < n; i += 16) {
+            for (int j = 0; j < 16; j++) {
+                g[j] = load_value(in, i + j, bf16);
+                u[j] = load_value(in, n + i + j, bf16);
+            }
+            __m512 gate = _mm512_loadu_ps(g);
+            __m512 sigmoid = _mm512_div_ps(
+                _mm512_set1_ps(1.f),
+                _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+            _mm512_storeu_ps(g, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), _mm512_loadu_ps(u)));
+            for (int j = 0; j < 16; j++) store_value(o, i + j, g[j], bf16);
+        }
+    }
+}
+
+static void rotate_heads(char *x, int heads, int head_dim, const float *cos, const float *sin,
+                         int bf16) {
+    size_t element = bf16 ? 2 : 4;
+    int half = head_dim / 2;
+    for (int h = 0; h < heads; h++) {
+        char *head = x + (size_t)h * head_dim * element;
+        for (int i = 0; i < half; i++) {
+            float x1 = load_value(head, i, bf16), x2 = load_value(head, half + i, bf16);
+            store_value(head, i, x1 * cos[i] - x2 * sin[i], bf16);
+            store_value(head, half + i, x2 * cos[i] + x1 * sin[i], bf16);
+        }
+    }
+}
+
+/* In place, rotate-half: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim], each
+ * token `*_stride` elements after the previous, heads contiguous; cos_sin [positions, head_dim]:
+ * the cos half, then the sin half. */
+void rope(const int64_t *positions, int tokens, void *q, int64_t q_stride, int q_heads, void *k,
+          int64_t k_stride, int k_heads, int head_dim, const float *cos_sin, int bf16) {
+    size_t element = bf16 ? 2 : 4;
+    for (int t = 0; t < tokens; t++) {
+        const float *cos = cos_sin + positions[t] * head_dim, *sin = cos + head_dim / 2;
+        rotate_heads((char *)q + t * q_stride * element, q_heads, head_dim, cos, sin, bf16);
+        rotate_heads((char *)k + t * k_stride * element, k_heads, head_dim, cos, sin, bf16);
+    }
+}
