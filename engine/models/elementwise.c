@@ -5,46 +5,64 @@
  * Every value is computed in float32 and rounded once to the tensor's dtype (float32 or bf16,
  * round to nearest even), each row on its own: a row's result never depends on the other rows.
  * The rounding differs from the torch layers' (they round between steps), so these serve drafts,
- * whose numbers may differ from the target's without changing the output.
+ * whose numbers may differ from the target's without changing the output. Rows are split across
+ * the OpenMP threads once there are enough of them to pay for waking the threads.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float load_value(const void *p, size_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+#define PARALLEL_ROWS 8
+
+static inline __mmask16 lanes(int left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
-static inline void store_value(void *p, size_t i, float v, int bf16) {
+/* Up to 16 values from p + i (fewer where `left` < 16; the rest read as 0). */
+static inline __m512 load16(const void *p, size_t i, int left, int bf16) {
+    __mmask16 m = lanes(left);
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion does. */
+static inline void store16(void *p, size_t i, __m512 v, int left, int bf16) {
+    __mmask16 m = lanes(left);
     if (!bf16) {
-        ((float *)p)[i] = v;
+        _mm512_mask_storeu_ps((float *)p + i, m, v);
         return;
     }
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
+/* out = weight * v / rms(v) for one row of n values held in `v` (float32). */
 static void norm_row(const float *v, const void *weight, int n, float eps, int bf16, void *out) {
-    float squares = 0.f;
-    for (int i = 0; i < n; i++) squares += v[i] * v[i];
-    float inverse = 1.f / sqrtf(squares / (float)n + eps);
-    for (int i = 0; i < n; i++) store_value(out, i, v[i] * inverse * load_value(weight, i, bf16), bf16);
+    __m512 squares = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __m512 x = _mm512_maskz_loadu_ps(lanes(n - i), v + i);
+        squares = _mm512_fmadd_ps(x, x, squares);
+    }
+    __m512 inverse = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps));
+    for (int i = 0; i < n; i += 16) {
+        __m512 x = _mm512_maskz_loadu_ps(lanes(n - i), v + i);
+        __m512 w = load16(weight, i, n - i, bf16);
+        store16(out, i, _mm512_mul_ps(_mm512_mul_ps(x, inverse), w), n - i, bf16);
+    }
 }
 
 /* out[r] = weight * x[r] / rms(x[r]); n <= 16384. */
 void rms_norm(const void *x, const void *weight, int rows, int n, float eps, int bf16, void *out) {
     size_t element = bf16 ? 2 : 4;
-    float v[16384];
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
+        float v[16384];
         const char *row = (const char *)x + (size_t)r * n * element;
-        for (int i = 0; i < n; i++) v[i] = load_value(row, i, bf16);
+        for (int i = 0; i < n; i += 16)
+            _mm512_mask_storeu_ps(v + i, lanes(n - i), load16(row, i, n - i, bf16));
         norm_row(v, weight, n, eps, bf16, (char *)out + (size_t)r * n * element);
     }
 }
@@ -53,13 +71,15 @@ void rms_norm(const void *x, const void *weight, int rows, int n, float eps, int
 void add_rms_norm(void *x, void *residual, const void *weight, int rows, int n, float eps,
                   int bf16) {
     size_t element = bf16 ? 2 : 4;
-    float v[16384];
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
+        float v[16384];
         char *xr = (char *)x + (size_t)r * n * element;
         char *rr = (char *)residual + (size_t)r * n * element;
-        for (int i = 0; i < n; i++) {
-            store_value(rr, i, load_value(xr, i, bf16) + load_value(rr, i, bf16), bf16);
-            v[i] = load_value(rr, i, bf16);
+        for (int i = 0; i < n; i += 16) {
+            __m512 sum = _mm512_add_ps(load16(xr, i, n - i, bf16), load16(rr, i, n - i, bf16));
+            store16(rr, i, sum, n - i, bf16);
+            _mm512_mask_storeu_ps(v + i, lanes(n - i), load16(rr, i, n - i, bf16));
         }
         norm_row(v, weight, n, eps, bf16, xr);
     }
@@ -84,24 +104,19 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]; n a multiple of 16. */
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]. */
 void silu_and_mul(const void *gate_up, int rows, int n, int bf16, void *out) {
     size_t element = bf16 ? 2 : 4;
-    float g[16], u[16];
+    const __m512 one = _mm512_set1_ps(1.f);
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         const char *in = (const char *)gate_up + (size_t)r * 2 * n * element;
         char *o = (char *)out + (size_t)r * n * element;
         for (int i = 0; i < n; i += 16) {
-            for (int j = 0; j < 16; j++) {
-                g[j] = load_value(in, i + j, bf16);
-                u[j] = load_value(in, n + i + j, bf16);
-            }
-            __m512 gate = _mm512_loadu_ps(g);
+            __m512 gate = load16(in, i, n - i, bf16), up = load16(in, (size_t)n + i, n - i, bf16);
             __m512 sigmoid = _mm512_div_ps(
-                _mm512_set1_ps(1.f),
-                _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-            _mm512_storeu_ps(g, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), _mm512_loadu_ps(u)));
-            for (int j = 0; j < 16; j++) store_value(o, i + j, g[j], bf16);
+                one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+            store16(o, i, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), up), n - i, bf16);
         }
     }
 }
@@ -112,10 +127,14 @@ static void rotate_heads(char *x, int heads, int head_dim, const float *cos, con
     int half = head_dim / 2;
     for (int h = 0; h < heads; h++) {
         char *head = x + (size_t)h * head_dim * element;
-        for (int i = 0; i < half; i++) {
-            float x1 = load_value(head, i, bf16), x2 = load_value(head, half + i, bf16);
-            store_value(head, i, x1 * cos[i] - x2 * sin[i], bf16);
-            store_value(head, half + i, x2 * cos[i] + x1 * sin[i], bf16);
+        for (int i = 0; i < half; i += 16) {
+            int left = half - i;
+            __m512 c = _mm512_maskz_loadu_ps(lanes(left), cos + i);
+            __m512 s = _mm512_maskz_loadu_ps(lanes(left), sin + i);
+            __m512 x1 = load16(head, i, left, bf16), x2 = load16(head, (size_t)half + i, left, bf16);
+            store16(head, i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), left, bf16);
+            store16(head, (size_t)half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), left,
+                    bf16);
         }
     }
 }
@@ -126,6 +145,7 @@ static void rotate_heads(char *x, int heads, int head_dim, const float *cos, con
 void rope(const int64_t *positions, int tokens, void *q, int64_t q_stride, int q_heads, void *k,
           int64_t k_stride, int k_heads, int head_dim, const float *cos_sin, int bf16) {
     size_t element = bf16 ? 2 : 4;
+#pragma omp parallel for if (tokens >= PARALLEL_ROWS)
     for (int t = 0; t < tokens; t++) {
         const float *cos = cos_sin + positions[t] * head_dim, *sin = cos + head_dim / 2;
         rotate_heads((char *)q + t * q_stride * element, q_heads, head_dim, cos, sin, bf16);

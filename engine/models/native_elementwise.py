@@ -16,14 +16,9 @@ import torch
 _MAX_HIDDEN = 16384  # elementwise.c's row buffer
 
 
-def fits(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> bool:
-    """Whether a model of these sizes and dtype runs on the kernels (SiLU-and-multiply takes
-    16 lanes at a time)."""
-    return (
-        dtype in (torch.float32, torch.bfloat16)
-        and hidden_size <= _MAX_HIDDEN
-        and intermediate_size % 16 == 0
-    )
+def fits(hidden_size: int, dtype: torch.dtype) -> bool:
+    """Whether a model of this width and dtype runs on the kernels."""
+    return dtype in (torch.float32, torch.bfloat16) and hidden_size <= _MAX_HIDDEN
 
 
 def _bf16(x: torch.Tensor) -> int:

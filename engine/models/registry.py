@@ -60,7 +60,7 @@ def native_elementwise_ops(arch: ModelArch, dtype: torch.dtype) -> NativeElement
     """The native norm, activation and rope kernels for a draft of this shape, where they build
     and fit (None: the torch layers)."""
     lib = native.library()
-    if lib is None or not fits(arch.hidden_size, arch.intermediate_size, dtype):
+    if lib is None or not fits(arch.hidden_size, dtype):
         return None
     return NativeElementwiseOps(lib)
 
