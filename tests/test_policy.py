@@ -103,6 +103,23 @@ def test_cost_pace_carries_a_slow_spell_to_unmeasured_shapes_and_ignores_a_stall
     assert cost.target_time(ForwardShape(1, 1)) == pytest.approx(1.3 * _machine(1, 1), rel=0.05)
 
 
+def test_a_stall_in_a_shape_never_measured_stays_out_of_the_fit():
+    # A catch-up read makes most speculative steps' shapes new; a stall in one of them must not
+    # price every later draft forward (neither the target's part nor the draft's).
+    cost = StepCostModel()
+    for _ in range(30):
+        for rows in (1, 2, 4, 8):
+            cost.observe(ForwardShape(rows, 1), _machine(rows, 1), [ForwardShape(rows, 1)], 0.02)
+    draft_before = cost.draft_time([ForwardShape(4, 4)])
+    target_before = cost.target_time(ForwardShape(6, 3))
+    cost.observe(ForwardShape(6, 3), 10 * _machine(6, 3), [ForwardShape(3, 3)], 0.5)
+    assert cost.draft_time([ForwardShape(4, 4)]) == pytest.approx(draft_before, rel=0.05)
+    assert cost.target_time(ForwardShape(6, 3)) == pytest.approx(target_before, rel=0.05)
+    # A new shape the fit can take (past the rows measured) is a price, not a stall.
+    cost.observe(ForwardShape(64, 1), _machine(64, 1), [], 0.0)
+    assert cost.target_time(ForwardShape(64, 1)) == pytest.approx(_machine(64, 1), rel=0.05)
+
+
 def _run(policy, seqs, acceptance: float, draft_cost: float, steps: int, rng) -> list[list[int]]:
     """Steps of a synthetic machine: geometric acceptance, target cost `_machine`, each draft
     forward ``draft_cost`` seconds."""

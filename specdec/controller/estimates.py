@@ -81,12 +81,10 @@ class AcceptanceModel:
         return out
 
     def _compute_rates(self) -> list[float]:
-        rates, guess = [], self.initial
+        rates, guess, w = [], self.initial, self.prior_weight
         for hit, n in zip(self.hits, self.judged, strict=True):
-            w = self.prior_weight
-            a = (hit + w * guess) / (n + w) if n + w > 0.0 else guess
-            rates.append(a)
-            guess = a
+            guess = (hit + w * guess) / (n + w) if n + w > 0.0 else guess
+            rates.append(guess)  # and the next position's guess
         return rates
 
 

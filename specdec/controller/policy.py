@@ -138,8 +138,7 @@ class FixedPolicy:
         nodes = [self.tree_nodes if k else 0 for k in self._last] if self.tree_nodes else None
         return SpecDecision(list(self._last), tree_nodes=nodes)
 
-    def observe(self, obs: StepObservation) -> None:  # a fixed k learns nothing
-        pass
+    def observe(self, obs: StepObservation) -> None: ...  # a fixed k learns nothing
 
     def stats(self) -> dict:
         return _k_stats(self._last)

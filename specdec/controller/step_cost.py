@@ -21,7 +21,7 @@ from scipy.optimize import nnls
 COST_WINDOW = 256  # live steps kept for the fit: minutes of serving, every recent shape in it
 CALIBRATION_WEIGHT = 0.25  # a bare forward counts a quarter of a live step where both exist
 SPEED_WINDOW = 9  # steps in the pace median: robust to a few outliers, follows a spell in seconds
-STALL_RATIO = 2.0  # a step over twice its shape's last time is a stall, not a price
+STALL_RATIO = 2.0  # a forward over twice its fitted time is a stall, not a price
 _SMOOTHNESS = 0.1  # weight of the slope-change penalty against one observation
 _ATTN_SCALE = 1e-6  # attention pairs are counted in millions to keep the system well scaled
 _KNOTS = tuple(2**i for i in range(17))  # 1 .. 65536 rows
@@ -109,19 +109,26 @@ class ForwardCost:
     def num_live(self) -> int:
         return len(self._live_y)
 
+    def _solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+        prior = np.eye(_NUM_PARAMS)[0] * self._prior  # W(1) only
+        a = np.vstack([x * w[:, None], _SLOPE_PENALTY, np.diag(_RIDGE)])
+        b = np.concatenate([y * w, np.zeros(len(_SLOPE_PENALTY)), prior * _RIDGE])
+        return nnls(a, b)[0]
+
     def _refit(self) -> None:
         self._dirty = False
-        rows = [*self._live_x, *self._cal_x]
+        rows, live = [*self._live_x, *self._cal_x], len(self._live_y)
         if not rows:
             return
         x = np.stack(rows) @ _MONOTONE  # columns: W(1), the rises between knots, the coefficients
         y = np.array([*self._live_y, *self._cal_y])
-        w = np.sqrt([1.0] * len(self._live_y) + [CALIBRATION_WEIGHT] * len(self._cal_y))
-        prior = np.zeros(_NUM_PARAMS)
-        prior[0] = self._prior
-        a = np.vstack([x * w[:, None], _SLOPE_PENALTY, np.diag(_RIDGE)])
-        b = np.concatenate([y * w, np.zeros(len(_SLOPE_PENALTY)), prior * _RIDGE])
-        self._theta = _MONOTONE @ nnls(a, b)[0]
+        w = np.sqrt([1.0] * live + [CALIBRATION_WEIGHT] * len(self._cal_y))
+        beta = self._solve(x, y, w)
+        # A live forward the fit misses by more than STALL_RATIO was interference, not a price
+        # (whatever its shape, seen before or not): solved again without it.
+        kept = np.arange(len(y)) >= live
+        kept[:live] = y[:live] <= STALL_RATIO * (x[:live] @ beta)
+        self._theta = _MONOTONE @ (beta if kept.all() else self._solve(x[kept], y[kept], w[kept]))
         self._knot_values = self._theta[: len(_KNOTS)].tolist()
         self._c_seq, self._c_attn, self._c_samp = (float(v) for v in self._theta[-3:])
 
@@ -163,8 +170,8 @@ class StepCostModel:
         self.draft = ForwardCost(prior_draft_seconds)
         self._ratios: deque[float] = deque(maxlen=SPEED_WINDOW)
         self.speed = 1.0
-        # (target rows, sequences, draft rows) -> the step's last measured seconds at pace 1
-        self._last_by_shape: dict[tuple[int, int, int], float] = {}
+        # (target rows, sequences, draft rows) measured: a first one shows fit error, not pace
+        self._seen_shapes: set[tuple[int, int, int]] = set()
 
     def target_time(self, shape: ForwardShape) -> float:
         # A forward is never free: a fit pinned at zero by odd measurements must not make a
@@ -190,14 +197,10 @@ class StepCostModel:
         if predicted <= 0.0 or measured <= 0.0:
             return
         key = (target.rows, target.seqs, sum(f.rows for f in draft_forwards))
-        last = self._last_by_shape.get(key)
-        if last is not None:
+        if key in self._seen_shapes:
             self._ratios.append(measured / predicted)
             if len(self._ratios) >= SPEED_WINDOW:
                 self.speed = statistics.median(self._ratios)
-        normalized = measured / self.speed
-        if last is not None and normalized > STALL_RATIO * last:
-            return
-        self._last_by_shape[key] = normalized
+        self._seen_shapes.add(key)
         for cost, shapes, seconds in parts:
             cost.add(features(shapes), seconds / self.speed)
