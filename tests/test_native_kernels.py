@@ -229,3 +229,26 @@ def _draft_logits(engine, ids: list[int]) -> torch.Tensor:
     finally:
         engine.allocator.free(seq)
         assert engine.allocator.num_free_blocks == free
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_target_rows_map_natively_as_in_torch_and_alone_as_in_a_batch(dtype):
+    from specdec.engine.models.quant import Int8RowScaled
+
+    weight = _weight(300, 256)
+    bias = torch.randn(300, generator=torch.Generator().manual_seed(8)).to(dtype)
+    kernel = Int8RowScaled(weight)
+    with native.switched_off():
+        reference = Int8RowScaled(weight)
+    assert kernel.native is not None and reference.native is None
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
+    for b in (None, bias):
+        batch = kernel(x, b)
+        # The same operations as the torch path (bit for bit where torch fuses addcmul's
+        # multiply-add, as on the AVX-512 CPUs measured).
+        want = reference(x, b)
+        assert batch.dtype == dtype
+        assert float((batch.float() - want.float()).abs().max()) <= 1e-6 * float(want.abs().max())
+        for i in (0, 3, 6):  # one row alone (fbgemm) equals itself among seven (oneDNN)
+            assert torch.equal(kernel(x[i : i + 1], b)[0], batch[i])

@@ -1,7 +1,10 @@
-"""The engine's native CPU kernels (``int4_matmul.c``, ``elementwise.c``): compiled into one
-shared library on first use with the system's C compiler, loaded with ctypes, used where the CPU
-has AVX-512 VNNI. They serve drafts only (``int4_native``, ``native_elementwise``): their
-rounding is not the torch layers', which a draft may differ by without changing the output.
+"""The engine's native CPU kernels (``int4_matmul.c``, ``elementwise.c``, ``int8_rows.c``):
+compiled into one shared library on first use with the system's C compiler, loaded with ctypes,
+used where the CPU has AVX-512 VNNI. The int4 product and the element-wise ops serve drafts only
+(``int4_native``, ``native_elementwise``): their rounding is not the torch layers', which a draft
+may differ by without changing the output. The int8 target's per-row activation map
+(``int8_rows.c``, ``quant.Int8RowScaled``) computes each row on its own, as its torch version
+does, in one call instead of several.
 
 The library is built into ``$SPECDEC_HOME/kernels/`` under a name that digests the sources, the
 flags and the compiler, so an edit or another compiler builds anew and a restart only loads it.
@@ -30,8 +33,13 @@ from specdec.engine.weights.cache import specdec_home
 
 SWITCH_ENV = "SPECDEC_NATIVE_KERNELS"
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "int4_matmul.c", _HERE / "elementwise.c")
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp", "-fPIC")
+_SOURCES = (_HERE / "int4_matmul.c", _HERE / "elementwise.c", _HERE / "int8_rows.c")
+# -ffp-contract=off: no multiply-add fused behind the sources' back, so int8_rows.c's arithmetic
+# is the IEEE operations it spells out.
+_FLAGS = (
+    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off",
+    "-fopenmp", "-fPIC",
+)  # fmt: skip
 _CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -47,6 +55,10 @@ _SIGNATURES = {
     # (positions, tokens, q, q token stride, q heads, k, k token stride, k heads, head_dim,
     #  cos_sin, bf16): in place
     "rope": ([_P, _I, _P, _I64, _I, _P, _I64, _I, _I, _P, _I], None),
+    # (x, rows, k, bf16, levels, codes, lo, step)
+    "int8_row_codes": ([_P, _I, _I, _I, _F, _P, _P, _P], None),
+    # (w_codes, rows, n, lo, step, row_sums, bias or NULL, bf16, y)
+    "int8_row_output": ([_P, _I, _I, _P, _P, _P, _P, _I, _P], None),
 }
 
 

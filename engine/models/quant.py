@@ -169,7 +169,9 @@ INT8_ONEDNN_MIN_ROWS = 3
 
 class Int8RowScaled:
     """int8 with per-row activation ranges (row-independent results; module docstring): fbgemm for
-    a row or two, oneDNN from ``INT8_ONEDNN_MIN_ROWS`` rows where it gives fbgemm's bits."""
+    a row or two, oneDNN from ``INT8_ONEDNN_MIN_ROWS`` rows where it gives fbgemm's bits. The
+    rows' map onto codes and its undoing run natively (``int8_rows.c``) where the library builds,
+    in torch elsewhere: the same arithmetic, row by row."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         q, self.scale = quantize_weight_int8(weight)
@@ -180,27 +182,50 @@ class Int8RowScaled:
         if onednn_rows_match_fbgemm():
             self.onednn = (_onednn_pack(q), torch.zeros(q.shape[0], dtype=torch.int64))
             self.nbytes += q.numel()  # a second copy of the int8 weight, in oneDNN's layout
+        self.native = native.library()
 
     def dense(self) -> torch.Tensor:
         return _int8_dense(self.packed)
 
+    def _product(self, codes: torch.Tensor) -> torch.Tensor:
+        """W codes, float32 [T, out]: exact integer sums times each channel's scale."""
+        if self.onednn is not None and codes.shape[0] >= INT8_ONEDNN_MIN_ROWS:
+            packed, zero_points = self.onednn
+            return _onednn_linear(codes, packed, self.scale, zero_points)
+        return _fbgemm_linear(codes, self.packed)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
+            return self._native_call(x.contiguous(), bias)
         xf = x.float()
         lo, hi = xf.aminmax(dim=1, keepdim=True)  # [T, 1] each
         step = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny) / self.levels
         # Each row's codes run from 0 (its minimum) to exactly `levels` (its maximum), so fbgemm
         # picks scale 1 and zero point 0 whatever the batch and multiplies the codes themselves,
         # as oneDNN is told to: x ~ lo + step * codes, W x ~ step * (W codes) + lo * (W 1).
-        codes = torch.round((xf - lo) / step)
-        if self.onednn is not None and x.shape[0] >= INT8_ONEDNN_MIN_ROWS:
-            packed, zero_points = self.onednn
-            w_codes = _onednn_linear(codes, packed, self.scale, zero_points)
-        else:
-            w_codes = _fbgemm_linear(codes, self.packed)
+        w_codes = self._product(torch.round((xf - lo) / step))
         offset = (
             lo * self.row_sums if bias is None else torch.addcmul(bias.float(), lo, self.row_sums)
         )
         return torch.addcmul(offset, w_codes, step).to(x.dtype)
+
+    def _native_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows, k = x.shape
+        bf16 = int(x.dtype == torch.bfloat16)
+        codes, lo, step = torch.empty(rows, k), torch.empty(rows), torch.empty(rows)
+        self.native.int8_row_codes(
+            x.data_ptr(), rows, k, bf16, float(self.levels),
+            codes.data_ptr(), lo.data_ptr(), step.data_ptr(),
+        )  # fmt: skip
+        w_codes = self._product(codes).contiguous()
+        y = torch.empty(rows, w_codes.shape[1], dtype=x.dtype)
+        if bias is not None:
+            bias = bias.to(x.dtype).contiguous()
+        self.native.int8_row_output(
+            w_codes.data_ptr(), rows, w_codes.shape[1], lo.data_ptr(), step.data_ptr(),
+            self.row_sums.data_ptr(), None if bias is None else bias.data_ptr(), bf16, y.data_ptr(),
+        )  # fmt: skip
+        return y
 
 
 # int4 group length along the input features: one scale and offset per this many weights (as
