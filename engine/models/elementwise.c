@@ -8,36 +8,11 @@
  * whose numbers may differ from the target's without changing the output. Rows are split across
  * the OpenMP threads once there are enough of them to pay for waking the threads.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
+
+#include "simd16.h"
 
 #define PARALLEL_ROWS 8
-
-static inline __mmask16 lanes(int left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
-
-/* Up to 16 values from p + i (fewer where `left` < 16; the rest read as 0). */
-static inline __m512 load16(const void *p, size_t i, int left, int bf16) {
-    __mmask16 m = lanes(left);
-    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion does. */
-static inline void store16(void *p, size_t i, __m512 v, int left, int bf16) {
-    __mmask16 m = lanes(left);
-    if (!bf16) {
-        _mm512_mask_storeu_ps((float *)p + i, m, v);
-        return;
-    }
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
 
 /* out = weight * v / rms(v) for one row of n values held in `v` (float32). */
 static void norm_row(const float *v, const void *weight, int n, float eps, int bf16, void *out) {

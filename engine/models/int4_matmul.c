@@ -19,12 +19,11 @@
  * Every row is computed on its own in a fixed order, so a row's result never depends on the
  * other rows of the call.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "simd16.h"
 
 #define GROUP 32
 #define BLOCK_BYTES 320
@@ -35,34 +34,14 @@
 #define PREFETCH_BYTES 16384
 #define ROW_TILE 8 /* rows sharing one pass over the weights (two zmm registers each) */
 
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline __m512 load_bf16x16(const void *p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion does. */
-static inline __m256i float_to_bf16x16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
-}
-
 static void quantize_row(const void *x, int x_bf16, int k, int8_t *codes, float *scales,
                          float *sums) {
     float v[GROUP];
     for (int g = 0; g < k / GROUP; g++) {
         float amax = 0.f, sum = 0.f;
+        for (int i = 0; i < GROUP; i += 16)
+            _mm512_storeu_ps(v + i, load16(x, g * GROUP + i, 16, x_bf16));
         for (int i = 0; i < GROUP; i++) {
-            int at = g * GROUP + i;
-            v[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
             amax = fmaxf(amax, fabsf(v[i]));
             sum += v[i];
         }
@@ -94,7 +73,7 @@ static inline __attribute__((always_inline)) void block_tile(
                 acc[m] = _mm512_dpbusd_epi32(
                     acc[m], w, _mm512_set1_epi32(codes[(size_t)m * k4 + g * 8 + t]));
         }
-        __m512 s = load_bf16x16(p + 256), b = load_bf16x16(p + 288);
+        __m512 s = load16(p + 256, 0, 16, 1), b = load16(p + 288, 0, 16, 1);
         for (int m = 0; m < rows; m++) {
             __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(scales[m * groups + g]));
             out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), step, out[m]);
@@ -106,22 +85,9 @@ static inline __attribute__((always_inline)) void block_tile(
 static void store_tile(const __m512 *out, int rows, int channel, int n, const void *bias,
                        int io_bf16, void *y) {
     int left = n - channel;
-    __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    __m512 add = _mm512_setzero_ps();
-    if (bias)
-        add = io_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-                                mask, (const uint16_t *)bias + channel)),
-                            16))
-                      : _mm512_maskz_loadu_ps(mask, (const float *)bias + channel);
-    for (int m = 0; m < rows; m++) {
-        __m512 v = _mm512_add_ps(out[m], add);
-        size_t at = (size_t)m * n + channel;
-        if (io_bf16)
-            _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, float_to_bf16x16(v));
-        else
-            _mm512_mask_storeu_ps((float *)y + at, mask, v);
-    }
+    __m512 add = bias ? load16(bias, channel, left, io_bf16) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++)
+        store16(y, (int64_t)m * n + channel, _mm512_add_ps(out[m], add), left, io_bf16);
 }
 
 /* y[rows, n] = x[rows, k] @ W^T (+ bias): W packed as above with ceil(n / 16) blocks, x, y and

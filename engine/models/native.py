@@ -34,6 +34,7 @@ from specdec.engine.weights.cache import specdec_home
 SWITCH_ENV = "SPECDEC_NATIVE_KERNELS"
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "int4_matmul.c", _HERE / "elementwise.c", _HERE / "int8_rows.c")
+_HEADERS = (_HERE / "simd16.h",)
 # -ffp-contract=off: no multiply-add fused behind the sources' back, so int8_rows.c's arithmetic
 # is the IEEE operations it spells out.
 _FLAGS = (
@@ -106,7 +107,7 @@ def library() -> ctypes.CDLL | None:
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(" ".join(_FLAGS).encode() + version.encode())
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         digest.update(source.read_bytes())
     target = specdec_home() / "kernels" / f"specdec_kernels-{digest.hexdigest()[:16]}.so"
     try:
