@@ -288,19 +288,17 @@ class Int4Draft:
         self.group = _int4_group(in_features)
         self.native = native.library()
         self.max_rows = INT4_MAX_ROWS if self.native is None else NATIVE_INT4_MAX_ROWS
+        # Both kernels take output channels in blocks of 16: pad with zero rows, slice them off.
+        padded = -out_features % 16
         w = weight.detach()
+        if padded:
+            w = torch.cat((w, w.new_zeros(padded, in_features)))
+        q, scale, offset = quantize_weight_int4(w, self.group)
         if self.native is not None:
-            q, scale, offset = quantize_weight_int4(w, self.group)
             # The native kernel's convention: w = scale * q + base.
             self.packed = int4_native.pack(q, scale, offset - 8 * scale)
             held = self.packed.numel()
         else:
-            # torch's kernel packs output channels in blocks of 16: pad with zero rows, slice
-            # them off.
-            padded = -out_features % 16
-            if padded:
-                w = torch.cat((w, w.new_zeros(padded, in_features)))
-            q, scale, offset = quantize_weight_int4(w, self.group)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
             # [in / group, out, 2]: the kernel's layout of (scale, offset) per group and channel,
             # in the dtype of the activations it is given (bf16, below).
