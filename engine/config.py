@@ -15,7 +15,7 @@ SPECULATIVE_POLICIES = ("adaptive", "fixed")
 SCHEDULING_POLICIES = ("fcfs", "spf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight formats of the linear layers (CPU): see specdec.engine.models.quant and docs/formats.md.
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 # auto: int4 on CPUs with AVX-512 and fbgemm, where it measured faster than the other draft
 # formats at equal acceptance; none elsewhere (engine/loader.py resolve_draft_quantization).
 DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int8-dynamic", "int4")

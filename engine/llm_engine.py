@@ -35,6 +35,7 @@ from specdec.engine.loader import (
     resolve_dtype,
 )
 from specdec.engine.model_runner import ModelRunner, RunEntry
+from specdec.engine.models import native
 from specdec.engine.models.arch import ModelArch
 from specdec.engine.models.fused_ops import FusedOps, probe_fused_ops
 from specdec.engine.outputs import (
@@ -111,6 +112,11 @@ class LLMEngine:
             "none"
         }:
             raise ConfigError("--quantization and --draft-quantization are CPU formats")
+        if config.quantization == "int4" and target is None and native.library() is None:
+            raise ConfigError(
+                "--quantization int4 needs the native CPU kernels: an x86 CPU with AVX-512 VNNI "
+                "and a C compiler (docs/formats.md)"
+            )
         if self.device.type != "cpu" and config.kv_cache_dtype == "int8":
             raise ConfigError("--kv-cache-dtype int8 is a CPU format: use fp8 on CUDA")
         torch.manual_seed(config.seed)
@@ -131,6 +137,7 @@ class LLMEngine:
                 self.device,
                 progress=progress,
                 quantization=config.draft_quantization,
+                role="draft",
             )
             check_quantization(self.draft, config.draft_quantization, "draft")
             _check_same_vocabulary(self.target, self.draft)

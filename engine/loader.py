@@ -65,13 +65,14 @@ def load_model(
     load_tokenizer: bool = True,
     progress: bool = True,
     quantization: str = "none",
+    role: str = "target",
 ) -> LoadedModel:
     from specdec.engine.weights import iter_safetensors_weights, load_hf_config, resolve_model
 
     start = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
     arch = model_arch_from_hf_config(load_hf_config(path))
-    model = build_model(arch, iter_safetensors_weights(path), dtype, device, quantization)
+    model = build_model(arch, iter_safetensors_weights(path), dtype, device, quantization, role)
     tokenizer = None
     if load_tokenizer and any((path / f).exists() for f in TOKENIZER_FILES):
         from specdec.engine.tokenizer import Tokenizer

@@ -17,6 +17,7 @@ from specdec.engine.cpu_features import (
 from specdec.engine.errors import ConfigError
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.loader import resolve_draft_quantization, resolve_dtype
+from specdec.engine.models import native
 from specdec.engine.models.layers import Linear, OneDNNPacked, onednn_available
 from specdec.engine.models.quant import (
     INT4_MAX_ROWS,
@@ -200,6 +201,8 @@ FORMATS = [
     ("bfloat16", "int8", "int8-dynamic"),
     ("float32", "none", "int4"),
     ("bfloat16", "none", "int4"),
+    ("float32", "int4", "int4"),  # the native kernels only (skipped without them)
+    ("bfloat16", "int4", "none"),
 ]
 
 
@@ -209,6 +212,8 @@ def test_greedy_speculative_equals_greedy_plain_per_format(
 ):
     if dtype == "bfloat16" and not BF16_PACKED:
         pytest.skip("oneDNN has no bf16 on this CPU")
+    if quantization == "int4" and native.library() is None:
+        pytest.skip("an int4 target needs the native kernels (AVX-512 VNNI, a C compiler)")
     draft = noisy_copy(target, 0.03)
     formats = dict(dtype=dtype, quantization=quantization, draft_quantization=draft_quantization)
     ps = prompts(5)
@@ -267,10 +272,10 @@ def test_a_prebuilt_draft_keeps_its_own_format_under_auto(target):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"quantization": "int4"}, "quantization must be one of"),
+        ({"quantization": "int3"}, "quantization must be one of"),
         ({"draft_quantization": "int8-dynamic-please"}, "draft_quantization must be one of"),
         ({"quantization": "int8-dynamic"}, "quantization must be one of"),  # target: row-exact only
-        ({"quantization": "int4"}, "only with speculative_method none"),
+        ({"quantization": "int8-dynamic"}, "only with speculative_method none"),
         ({"device": "cuda", "quantization": "int8"}, "CPU formats"),
     ],
 )

@@ -252,3 +252,37 @@ def test_int8_target_rows_map_natively_as_in_torch_and_alone_as_in_a_batch(dtype
         assert float((batch.float() - want.float()).abs().max()) <= 1e-6 * float(want.abs().max())
         for i in (0, 3, 6):  # one row alone (fbgemm) equals itself among seven (oneDNN)
             assert torch.equal(kernel(x[i : i + 1], b)[0], batch[i])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int4_target_computes_each_row_alone_at_any_row_count(dtype):
+    from specdec.engine.models.quant import Int4Exact
+
+    weight = _weight(40, 128)  # 40: off the 16-channel blocks
+    kernel = Int4Exact(weight)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(10)).to(dtype)
+    alone = torch.cat([kernel(x[i : i + 1], None) for i in range(20)])
+    for rows in (2, 8, 9, 20):  # 9 and 20: more than one tile of rows over the weights
+        assert torch.equal(kernel(x[:rows], None), alone[:rows])
+    # Its weight is the 4-bit one: the dense copy is the codes times the bf16 scales plus bases.
+    q, scale, offset = quantize_weight_int4(weight, 32)
+    scale_b, base_b = scale.to(torch.bfloat16).float(), (offset - 8 * scale).to(torch.bfloat16)
+    want = (q.float().view(40, 4, 32) * scale_b[..., None] + base_b.float()[..., None]).view(
+        40, 128
+    )
+    assert torch.equal(kernel.dense(), want)
+
+
+def test_an_int4_target_without_the_native_kernels_is_a_config_error(monkeypatch):
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.errors import ConfigError
+    from specdec.engine.llm_engine import LLMEngine
+    from specdec.engine.models.quant import Int4Exact
+
+    monkeypatch.setattr(native, "library", lambda: None)
+    with pytest.raises(ValueError, match="native kernels"):
+        Int4Exact(_weight(16, 32))
+    config = EngineConfig(model="tiny", speculative_method="none", quantization="int4")
+    with pytest.raises(ConfigError, match="native CPU kernels"):
+        LLMEngine(config, progress=False)

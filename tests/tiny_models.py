@@ -53,12 +53,12 @@ def tiny_hf_model(
 
 
 def loaded_from_hf(
-    hf_model, dtype=torch.float32, device="cpu", quantization: str = "none"
+    hf_model, dtype=torch.float32, device="cpu", quantization: str = "none", role: str = "target"
 ) -> LoadedModel:
     cfg = hf_model.config.to_dict()
     arch = model_arch_from_hf_config(cfg)
     weights = ((n, t.detach().clone()) for n, t in hf_model.state_dict().items())
-    model = build_model(arch, weights, dtype, torch.device(device), quantization)
+    model = build_model(arch, weights, dtype, torch.device(device), quantization, role)
     return LoadedModel(Path("."), arch, model, None, 0.0)
 
 
@@ -86,7 +86,7 @@ def make_engine(target_hf, draft_hf=None, **overrides) -> LLMEngine:
     where = (getattr(torch, cfg.dtype), cfg.device)
     draft = None
     if draft_hf is not None:
-        draft = loaded_from_hf(draft_hf, *where, quantization=cfg.draft_quantization)
+        draft = loaded_from_hf(draft_hf, *where, quantization=cfg.draft_quantization, role="draft")
     target = loaded_from_hf(target_hf, *where, quantization=cfg.quantization)
     return LLMEngine(cfg, target=target, draft=draft, progress=False)
 

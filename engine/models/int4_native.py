@@ -43,6 +43,22 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.
     return torch.cat((nibbles, per_group(scale), per_group(base)), dim=-1).contiguous()
 
 
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The float32 weight [out_features, in] that ``packed`` holds (``pack``'s inverse)."""
+    blocks, groups, _ = packed.shape
+    nibbles = packed[..., :256].reshape(blocks, groups, GROUP // 4, 32)
+    vector = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)  # [block, group, step, 64]
+    codes = vector.view(blocks, groups, GROUP // 4, BLOCK, 4).permute(0, 3, 1, 2, 4)
+    codes = codes.reshape(blocks * BLOCK, groups, GROUP).float()
+
+    def per_group(at: int) -> torch.Tensor:
+        values = packed[..., at : at + 32].contiguous().view(torch.bfloat16).float()
+        return values.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1)
+
+    weight = codes * per_group(256) + per_group(288)
+    return weight.reshape(blocks * BLOCK, groups * GROUP)[:out_features]
+
+
 def linear(
     lib: ctypes.CDLL,
     packed: torch.Tensor,

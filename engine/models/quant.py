@@ -27,6 +27,10 @@ row or two (docs/formats.md).
   the same weight takes over (catch-up reads, prompt prefill, large batches), multiplied by
   oneDNN where it runs int8 at full range (``many_rows_engine``). Which copy runs depends on the
   batch, so rows depend on their batch-mates: acceptable for a draft only.
+- ``Int4Exact`` (scheme "int4" for a target): the same 4-bit weights through the native kernel
+  at every row count, each row computed on its own, so greedy speculative output equals greedy
+  plain output of the int4 model. Prompts cost more than in the other formats: the kernel runs
+  8 rows per pass over the weights.
 """
 
 from __future__ import annotations
@@ -279,36 +283,75 @@ def _int4_group(in_features: int) -> int:
     return INT4_GROUP
 
 
-class Int4Draft:
-    """int4 weight-only for a few rows, fbgemm int8-dynamic beyond (module docstring)."""
+def _pad_to_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """Both int4 kernels take output channels in blocks of 16: zero rows pad the last one (their
+    outputs are never returned)."""
+    padded = -weight.shape[0] % 16
+    w = weight.detach()
+    return torch.cat((w, w.new_zeros(padded, w.shape[1]))) if padded else w
+
+
+class Int4Exact:
+    """int4 weights for any row count through the native kernel (``int4_native``): each row is
+    computed on its own, so a target in this format keeps greedy speculative output equal to its
+    plain output. Needs the native kernels (an x86 CPU with AVX-512 VNNI, a C compiler)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        out_features, in_features = weight.shape
-        self.out_features = out_features
-        self.group = _int4_group(in_features)
         self.native = native.library()
-        self.max_rows = INT4_MAX_ROWS if self.native is None else NATIVE_INT4_MAX_ROWS
-        # Both kernels take output channels in blocks of 16: pad with zero rows, slice them off.
-        padded = -out_features % 16
-        w = weight.detach()
-        if padded:
-            w = torch.cat((w, w.new_zeros(padded, in_features)))
-        q, scale, offset = quantize_weight_int4(w, self.group)
-        if self.native is not None:
-            # The native kernel's convention: w = scale * q + base.
-            self.packed = int4_native.pack(q, scale, offset - 8 * scale)
-            held = self.packed.numel()
-        else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            # [in / group, out, 2]: the kernel's layout of (scale, offset) per group and channel,
-            # in the dtype of the activations it is given (bf16, below).
-            self.scales_and_offsets = (
-                torch.stack((scale.t(), offset.t()), dim=-1).to(torch.bfloat16).contiguous()
+        if self.native is None:
+            raise ValueError(
+                "int4 target weights need the native kernels: an x86 CPU with AVX-512 VNNI and "
+                "a C compiler (docs/formats.md)"
             )
-            held = self.packed.numel() + self.scales_and_offsets.numel() * 2
-        del q
+        self.out_features = weight.shape[0]
+        q, scale, offset = quantize_weight_int4(
+            _pad_to_blocks(weight), _int4_group(weight.shape[1])
+        )
+        self.packed = int4_native.pack(q, scale, offset - 8 * scale)  # w = scale * q + base
+        self.nbytes = self.packed.numel()
+
+    def dense(self) -> torch.Tensor:
+        return int4_native.unpack(self.packed, self.out_features)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = int4_native.linear(self.native, self.packed, self.out_features, x, bias)
+        return y.to(x.dtype)
+
+
+class _TorchInt4:
+    """torch's CPU int4 weight-only kernel, for a few rows (bf16 activations: its fp32 path ran
+    ~30x slower)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.group = weight.shape[0], _int4_group(weight.shape[1])
+        q, scale, offset = quantize_weight_int4(_pad_to_blocks(weight), self.group)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        # [in / group, out, 2]: the kernel's layout of (scale, offset) per group and channel, in
+        # the dtype of the activations it is given.
+        self.scales_and_offsets = (
+            torch.stack((scale.t(), offset.t()), dim=-1).to(torch.bfloat16).contiguous()
+        )
+        self.nbytes = self.packed.numel() + self.scales_and_offsets.numel() * 2
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, self.group, self.scales_and_offsets
+        )
+        y = y[:, : self.out_features].to(x.dtype)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+class Int4Draft:
+    """int4 weight-only for a few rows (the native kernel, else torch's), int8-dynamic beyond
+    (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        _int4_group(weight.shape[1])
+        self.native = native.library()
+        self.few_rows = Int4Exact(weight) if self.native is not None else _TorchInt4(weight)
+        self.max_rows = INT4_MAX_ROWS if self.native is None else NATIVE_INT4_MAX_ROWS
         self.many_rows = Int8Dynamic(weight, many_rows_engine())
-        self.nbytes = held + self.many_rows.nbytes
+        self.nbytes = self.few_rows.nbytes + self.many_rows.nbytes
 
     def dense(self) -> torch.Tensor:
         return self.many_rows.dense()
@@ -316,32 +359,26 @@ class Int4Draft:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self.many_rows(x, bias)
-        if self.native is not None:
-            return int4_native.linear(self.native, self.packed, self.out_features, x, bias).to(
-                x.dtype
-            )
-        # The kernel's vectorised path takes bf16 activations (fp32 ones ran ~30x slower).
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, self.group, self.scales_and_offsets
-        )
-        y = y[:, : self.out_features].to(x.dtype)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y
+        return self.few_rows(x, bias)
 
 
 KERNELS = {"int8": Int8RowScaled, "int8-dynamic": Int8Dynamic, "int4": Int4Draft}
-# Schemes whose rows depend on their batch-mates: offered for drafts only.
+# A target's int4 computes every row alone; a draft's switches to an int8 copy for many rows.
+TARGET_KERNELS = {**KERNELS, "int4": Int4Exact}
+# Schemes whose rows depend on their batch-mates when a draft holds them: offered for drafts only
+# (a plain engine may serve them too).
 DRAFT_ONLY_SCHEMES = frozenset({"int8-dynamic", "int4"})
 
 
-def quantize_model(model: nn.Module, scheme: str) -> int:
-    """Convert every `Linear` of `model` (CPU, plain weights) to `scheme`; returns how many."""
+def quantize_model(model: nn.Module, scheme: str, role: str = "target") -> int:
+    """Convert every `Linear` of `model` (CPU, plain weights) to `scheme` as the model's role
+    ("target" or "draft") takes it; returns how many."""
     if scheme == "none":
         return 0
-    if scheme not in KERNELS:
-        raise ValueError(f"unknown quantization {scheme!r}; choose one of {sorted(KERNELS)}")
-    kernel = KERNELS[scheme]
+    kernels = TARGET_KERNELS if role == "target" else KERNELS
+    if scheme not in kernels:
+        raise ValueError(f"unknown quantization {scheme!r}; choose one of {sorted(kernels)}")
+    kernel = kernels[scheme]
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):

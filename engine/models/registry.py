@@ -36,11 +36,13 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str = "none",
+    role: str = "target",
 ) -> DecoderLM:
     """Instantiate, load weights tensor by tensor, and prepare kernels for the device: the linear
     layers in `quantization` (a scheme of `specdec.engine.models.quant`; CPU only), else packed
-    for oneDNN on CPU. A model in a draft-only scheme also runs its norms, activation and rope
-    through the native kernels where they build (`native_elementwise`)."""
+    for oneDNN on CPU, as ``role`` ("target" or "draft") takes the scheme. A draft in a draft-only
+    scheme also runs its norms, activation and rope through the native kernels where they build
+    (`native_elementwise`)."""
     if quantization != "none" and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on CPU only, not on {device.type}")
     model = instantiate_model(arch, dtype, device)
@@ -48,10 +50,10 @@ def build_model(
     model.rope.to(torch.float32)
     model.eval()
     model.quantization = quantization
-    quantize_model(model, quantization)
+    quantize_model(model, quantization, role)
     if device.type == "cpu":
         model.pack_linear_weights()
-        if quantization in DRAFT_ONLY_SCHEMES:
+        if role == "draft" and quantization in DRAFT_ONLY_SCHEMES:
             model.use_fused_ops(native_elementwise_ops(arch, dtype))
     return model
 

@@ -107,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = str(dtype).removeprefix("torch.")
     draft_format = resolve_draft_quantization(args.draft_quantization, device)
     target = load_model(args.model, dtype, device, progress=False, quantization=args.quantization)
-    draft = load_model(args.draft_model, dtype, device, progress=False, quantization=draft_format)
+    draft = load_model(
+        args.draft_model, dtype, device, progress=False, quantization=draft_format, role="draft"
+    )
     # Pools big enough for the batch and for four 4k contexts of the cost table, no more (the
     # draft's pool is a speculative engine's: it holds the target's layers too).
     target_engine = plain_engine(
