@@ -1,5 +1,5 @@
-"""Quantized weight formats for `Linear` on CPU (int8, and int4 for drafts), and applying one to
-a whole model.
+"""Quantized weight formats for `Linear` on CPU (int8 and int4, each as a target or a draft takes
+it), and applying one to a whole model.
 
 The two int8 schemes hold symmetric int8 weights with one scale per output channel, prepacked
 for fbgemm's dynamic int8 linear (VNNI / AVX2 int8 dot products, int32 sums), which reads a
