@@ -263,7 +263,7 @@ def test_a_prebuilt_draft_keeps_its_own_format_under_auto(target):
         again = LLMEngine(
             dataclasses.replace(engine.config, draft_quantization="auto"),
             target=loaded_from_hf(target),
-            draft=loaded_from_hf(target, quantization=built),
+            draft=loaded_from_hf(target, quantization=built, role="draft"),
             progress=False,
         )
         assert again.config.draft_quantization == built

@@ -94,6 +94,7 @@ def test_switched_off_the_draft_runs_torchs_kernel_with_the_same_codes():
 
 def test_a_missing_compiler_or_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.delenv(native.SWITCH_ENV, raising=False)
     monkeypatch.setattr(native, "_cpu_flags", lambda: native._CPU_FLAGS)
     monkeypatch.setattr(native, "_compiler", lambda: None)
     native.library.cache_clear()

@@ -1,4 +1,5 @@
-/* int4 weight x int8 activation products for a few rows, with AVX-512 VNNI.
+/* int4 weight x int8 activation products with AVX-512 VNNI: a draft's few rows, or every row of
+ * an int4 target (each row is computed on its own, so its result never depends on the others).
  *
  * A draft's decode step multiplies one row (a few with trees or several sequences) by every
  * weight of the model, so its time is the bytes of weights streamed. This kernel streams each

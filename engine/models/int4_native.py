@@ -1,5 +1,5 @@
-"""int4 products of a few rows through the native kernel (``int4_matmul.c``, loaded by
-``native``): the weight layout it reads, and the call.
+"""int4 products through the native kernel (``int4_matmul.c``, loaded by ``native``): the
+weight layout it reads, and the call. A draft runs it for a few rows, an int4 target for all.
 
 torch's own CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) streams a one-row product's
 weights at about two thirds of the memory bandwidth the native kernel reaches on the same

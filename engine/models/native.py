@@ -1,10 +1,11 @@
 """The engine's native CPU kernels (``int4_matmul.c``, ``elementwise.c``, ``int8_rows.c``):
 compiled into one shared library on first use with the system's C compiler, loaded with ctypes,
-used where the CPU has AVX-512 VNNI. The int4 product and the element-wise ops serve drafts only
-(``int4_native``, ``native_elementwise``): their rounding is not the torch layers', which a draft
-may differ by without changing the output. The int8 target's per-row activation map
-(``int8_rows.c``, ``quant.Int8RowScaled``) computes each row on its own, as its torch version
-does, in one call instead of several.
+used where the CPU has AVX-512 VNNI. The element-wise ops serve drafts only
+(``native_elementwise``): their rounding is not the torch layers', which a draft may differ by
+without changing the output. The int4 product (``int4_native``) serves int4 drafts and int4
+targets, and the int8 target's per-row activation map (``int8_rows.c``,
+``quant.Int8RowScaled``) replaces several torch calls with one; both compute each row on its
+own.
 
 The library is built into ``$SPECDEC_HOME/kernels/`` under a name that digests the sources, the
 flags and the compiler, so an edit or another compiler builds anew and a restart only loads it.

@@ -283,14 +283,6 @@ def _int4_group(in_features: int) -> int:
     return INT4_GROUP
 
 
-def _pad_to_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """Both int4 kernels take output channels in blocks of 16: zero rows pad the last one (their
-    outputs are never returned)."""
-    padded = -weight.shape[0] % 16
-    w = weight.detach()
-    return torch.cat((w, w.new_zeros(padded, w.shape[1]))) if padded else w
-
-
 class Int4Exact:
     """int4 weights for any row count through the native kernel (``int4_native``): each row is
     computed on its own, so a target in this format keeps greedy speculative output equal to its
@@ -304,9 +296,7 @@ class Int4Exact:
                 "a C compiler (docs/formats.md)"
             )
         self.out_features = weight.shape[0]
-        q, scale, offset = quantize_weight_int4(
-            _pad_to_blocks(weight), _int4_group(weight.shape[1])
-        )
+        q, scale, offset = quantize_weight_int4(weight.detach(), _int4_group(weight.shape[1]))
         self.packed = int4_native.pack(q, scale, offset - 8 * scale)  # w = scale * q + base
         self.nbytes = self.packed.numel()
 
@@ -324,7 +314,10 @@ class _TorchInt4:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.group = weight.shape[0], _int4_group(weight.shape[1])
-        q, scale, offset = quantize_weight_int4(_pad_to_blocks(weight), self.group)
+        # The kernel takes output channels in blocks of 16: zero rows pad the last one.
+        w, padded = weight.detach(), -self.out_features % 16
+        w = torch.cat((w, w.new_zeros(padded, w.shape[1]))) if padded else w
+        q, scale, offset = quantize_weight_int4(w, self.group)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
         # [in / group, out, 2]: the kernel's layout of (scale, offset) per group and channel, in
         # the dtype of the activations it is given.
