@@ -22,11 +22,11 @@ def _weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernel computes, in float64: activations rounded to int8 per group of 32 (scale
-    max |x| / 127), weights as bf16 scale * code + bf16 base, each group's base times the exact
+    max |x| / 127), weights as fp16 scale * code + fp16 base, each group's base times the exact
     sum of its activations."""
     q, scale, offset = quantize_weight_int4(weight, 32)
-    scale_b = scale.to(torch.bfloat16).double()
-    base_b = (offset - 8 * scale).to(torch.bfloat16).double()
+    scale_b = scale.to(torch.float16).double()
+    base_b = (offset - 8 * scale).to(torch.float16).double()
     rows, k = x.shape
     xg = x.double().view(rows, k // 32, 32)
     xscale = xg.abs().amax(-1) / 127
@@ -266,9 +266,9 @@ def test_an_int4_target_computes_each_row_alone_at_any_row_count(dtype):
     alone = torch.cat([kernel(x[i : i + 1], None) for i in range(20)])
     for rows in (2, 8, 9, 20):  # 9 and 20: more than one tile of rows over the weights
         assert torch.equal(kernel(x[:rows], None), alone[:rows])
-    # Its weight is the 4-bit one: the dense copy is the codes times the bf16 scales plus bases.
+    # Its weight is the 4-bit one: the dense copy is the codes times the fp16 scales plus bases.
     q, scale, offset = quantize_weight_int4(weight, 32)
-    scale_b, base_b = scale.to(torch.bfloat16).float(), (offset - 8 * scale).to(torch.bfloat16)
+    scale_b, base_b = scale.to(torch.float16).float(), (offset - 8 * scale).to(torch.float16)
     want = (q.float().view(40, 4, 32) * scale_b[..., None] + base_b.float()[..., None]).view(
         40, 128
     )

@@ -13,7 +13,9 @@
  *     code that lands in byte j of the 64-byte vector and in its high nibble the one for byte
  *     j + 32. Byte 4r + c of the vector is channel r's code for input 4t + c, so each 32-bit
  *     lane r sums channel r.
- *   - 16 bf16 scales s and 16 bf16 bases b: weight = s * code + b.
+ *   - 16 fp16 scales s and 16 fp16 bases b: weight = s * code + b. fp16 rather than bf16: its
+ *     11-bit mantissa keeps a GGUF Q4_K group's scale (fp16 times a 6-bit integer) to within
+ *     2^-11, where bf16 loses 2^-8 (an RMS weight error of 0.07% against 0.5% of the weights).
  * Activations: each group of 32 is rounded to int8 with its own scale (max |x| / 127); the
  * group's exact float sum multiplies the bases. So channel r gains, per group,
  *   s_r * xscale * sum(code * xcode) + b_r * sum(x).
@@ -53,6 +55,10 @@ static void quantize_row(const void *x, int x_bf16, int k, int8_t *codes, float 
     }
 }
 
+static inline __m512 load_fp16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
 /* One block of 16 channels for `rows` (1..ROW_TILE) rows; always inlined with a constant `rows`
  * so the sums stay in registers. */
 static inline __attribute__((always_inline)) void block_tile(
@@ -74,7 +80,7 @@ static inline __attribute__((always_inline)) void block_tile(
                 acc[m] = _mm512_dpbusd_epi32(
                     acc[m], w, _mm512_set1_epi32(codes[(size_t)m * k4 + g * 8 + t]));
         }
-        __m512 s = load16(p + 256, 0, 16, 1), b = load16(p + 288, 0, 16, 1);
+        __m512 s = load_fp16(p + 256), b = load_fp16(p + 288);
         for (int m = 0; m < rows; m++) {
             __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(scales[m * groups + g]));
             out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), step, out[m]);

@@ -37,7 +37,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.
     nibbles = (vector[..., :32] | (vector[..., 32:] << 4)).reshape(blocks, groups, 256)
 
     def per_group(values: torch.Tensor) -> torch.Tensor:
-        laid = values.to(torch.bfloat16).view(blocks, BLOCK, groups).permute(0, 2, 1)
+        laid = values.to(torch.float16).view(blocks, BLOCK, groups).permute(0, 2, 1)
         return laid.contiguous().view(torch.uint8)
 
     return torch.cat((nibbles, per_group(scale), per_group(base)), dim=-1).contiguous()
@@ -52,7 +52,7 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     codes = codes.reshape(blocks * BLOCK, groups, GROUP).float()
 
     def per_group(at: int) -> torch.Tensor:
-        values = packed[..., at : at + 32].contiguous().view(torch.bfloat16).float()
+        values = packed[..., at : at + 32].contiguous().view(torch.float16).float()
         return values.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1)
 
     weight = codes * per_group(256) + per_group(288)
