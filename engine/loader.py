@@ -67,12 +67,23 @@ def load_model(
     quantization: str = "none",
     role: str = "target",
 ) -> LoadedModel:
-    from specdec.engine.weights import iter_safetensors_weights, load_hf_config, resolve_model
+    from specdec.engine.weights import (
+        GGUFModel,
+        converted_from,
+        iter_safetensors_weights,
+        load_hf_config,
+        resolve_model,
+    )
 
     start = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
     arch = model_arch_from_hf_config(load_hf_config(path))
-    model = build_model(arch, iter_safetensors_weights(path), dtype, device, quantization, role)
+    # An int4 model converted from a GGUF file keeps the file's own 4-bit codes where it has them.
+    source = converted_from(path) if quantization == "int4" else None
+    stored_int4 = GGUFModel(source).stored_int4 if source is not None else None
+    model = build_model(
+        arch, iter_safetensors_weights(path), dtype, device, quantization, role, stored_int4
+    )
     tokenizer = None
     if load_tokenizer and any((path / f).exists() for f in TOKENIZER_FILES):
         from specdec.engine.tokenizer import Tokenizer

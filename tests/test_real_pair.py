@@ -90,3 +90,26 @@ def test_speculative_equals_plain_and_accepts_code():
     )
     assert code.acceptance_rate > 0.5
     assert "def" in spec[0].text
+
+
+def test_the_default_targets_4_bit_blocks_read_back_exactly():
+    """The GGUF file behind the default target: its Q4_K tensors read as int4 groups give back
+    gguf's own dequantized weights bit for bit; its Q6_K tensors are not offered as 4-bit."""
+    import numpy as np
+    from specdec.engine.weights import GGUFModel, converted_from
+
+    source = converted_from(model_dir(TARGET))
+    assert source is not None, "the default target's conversion names its GGUF file"
+    file = GGUFModel(source)
+    for gguf_name in ("blk.0.attn_q.weight", "blk.3.ffn_gate.weight", "blk.27.attn_output.weight"):
+        hf_name = f"model.layers.{gguf_name.split('.')[1]}." + {
+            "attn_q": "self_attn.q_proj", "ffn_gate": "mlp.gate_proj",
+            "attn_output": "self_attn.o_proj",
+        }[gguf_name.split(".")[2]] + ".weight"  # fmt: skip
+        codes, scale, base = file.stored_int4(hf_name)
+        rows = codes.shape[0]
+        expanded = codes.reshape(rows, -1, 32) * scale[..., None] + base[..., None]
+        want = file.read_small_tensor(gguf_name)
+        assert np.array_equal(expanded.astype(np.float32).reshape(want.shape), want)
+    assert file.stored_int4("model.layers.0.self_attn.v_proj.weight") is None  # Q6_K
+    assert file.stored_int4("lm_head.weight") is None  # Q6_K

@@ -228,6 +228,16 @@ def _fused_target(name: str, arch: ModelArch) -> tuple[str, int | None]:
     return name, None
 
 
+def checkpoint_sources(module_name: str) -> list[str]:
+    """The checkpoint weights whose rows make up the weight of our Linear ``module_name`` (e.g.
+    ``layers.3.self_attn.qkv_proj``), in row order: ``_fused_target`` read backwards."""
+    parts = module_name.split(".")
+    head, last = parts[:-1], parts[-1]
+    prefix = [] if module_name == "lm_head" else ["model"]
+    fused = {"qkv_proj": _QKV, "gate_up_proj": _GATE_UP}.get(last, {last: 0})
+    return [".".join(prefix + head + [part, "weight"]) for part in fused]
+
+
 def _expected_names(arch: ModelArch) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not arch.tie_word_embeddings:

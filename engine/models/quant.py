@@ -36,12 +36,23 @@ row or two (docs/formats.md).
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 from specdec.engine.models import int4_native, native
+from specdec.engine.models.decoder import checkpoint_sources
 from specdec.engine.models.layers import Linear
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# 4-bit groups as a checkpoint stores them: codes [out, in] in 0..15, scale and base
+# [out, in / INT4_GROUP], w = scale * code + base (arrays or tensors).
+Int4Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# Checkpoint weight name -> its stored 4-bit groups, or None where it is not stored in 4 bits.
+StoredInt4 = Callable[[str], Int4Groups | None]
 
 _CHUNK_ROWS = 16384  # weight rows converted at a time, so a 150k-row lm_head needs no fp32 copy
 
@@ -288,7 +299,7 @@ class Int4Exact:
     computed on its own, so a target in this format keeps greedy speculative output equal to its
     plain output. Needs the native kernels (an x86 CPU with AVX-512 VNNI, a C compiler)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, stored: Int4Groups | None = None) -> None:
         self.native = native.library()
         if self.native is None:
             raise ValueError(
@@ -296,8 +307,10 @@ class Int4Exact:
                 "a C compiler (docs/formats.md)"
             )
         self.out_features = weight.shape[0]
-        q, scale, offset = quantize_weight_int4(weight.detach(), _int4_group(weight.shape[1]))
-        self.packed = int4_native.pack(q, scale, offset - 8 * scale)  # w = scale * q + base
+        if stored is None:
+            q, scale, offset = quantize_weight_int4(weight.detach(), _int4_group(weight.shape[1]))
+            stored = (q, scale, offset - 8 * scale)  # w = scale * q + base
+        self.packed = int4_native.pack(*stored)
         self.nbytes = self.packed.numel()
 
     def dense(self) -> torch.Tensor:
@@ -338,10 +351,13 @@ class Int4Draft:
     """int4 weight-only for a few rows (the native kernel, else torch's), int8-dynamic beyond
     (module docstring)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, stored: Int4Groups | None = None) -> None:
         _int4_group(weight.shape[1])
         self.native = native.library()
-        self.few_rows = Int4Exact(weight) if self.native is not None else _TorchInt4(weight)
+        if self.native is not None:
+            self.few_rows: Int4Exact | _TorchInt4 = Int4Exact(weight, stored)
+        else:
+            self.few_rows = _TorchInt4(weight)
         self.max_rows = INT4_MAX_ROWS if self.native is None else NATIVE_INT4_MAX_ROWS
         self.many_rows = Int8Dynamic(weight, many_rows_engine())
         self.nbytes = self.few_rows.nbytes + self.many_rows.nbytes
@@ -363,20 +379,68 @@ TARGET_KERNELS = {**KERNELS, "int4": Int4Exact}
 DRAFT_ONLY_SCHEMES = frozenset({"int8-dynamic", "int4"})
 
 
-def quantize_model(model: nn.Module, scheme: str, role: str = "target") -> int:
+def quantize_model(
+    model: nn.Module,
+    scheme: str,
+    role: str = "target",
+    stored_int4: StoredInt4 | None = None,
+) -> int:
     """Convert every `Linear` of `model` (CPU, plain weights) to `scheme` as the model's role
-    ("target" or "draft") takes it; returns how many."""
+    ("target" or "draft") takes it; returns how many.
+
+    For "int4", ``stored_int4`` gives the 4-bit groups a checkpoint already holds (a GGUF file's
+    4-bit blocks) by checkpoint weight name, and the model follows the file as llama.cpp does: a
+    layer whose every source weight is stored in 4 bits keeps those codes rather than rounding
+    its float weight onto a new grid; in a target, a layer the file stores in more bits (Q6_K,
+    Q8_0: a Q4_K_M file's lm_head, half its v and down projections) runs as int8 (row-scaled,
+    so rows stay exact), in a draft as int4 all the same (its format only moves acceptance)."""
     if scheme == "none":
         return 0
     kernels = TARGET_KERNELS if role == "target" else KERNELS
     if scheme not in kernels:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {sorted(kernels)}")
     kernel = kernels[scheme]
-    count = 0
-    for module in model.modules():
+    count, kept = 0, 0
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
             if module.kernel is not None or module.weight.device.type != "cpu":
                 raise ValueError("quantize_model needs plain CPU weights (quantize before packing)")
-            module.set_kernel(kernel(module.weight))
+            if scheme == "int4" and stored_int4 is not None:
+                stored = _stored_groups(module.weight, checkpoint_sources(name), stored_int4)
+                if stored is not None:
+                    module.set_kernel(kernel(module.weight, stored))
+                    kept += 1
+                elif role == "target":
+                    module.set_kernel(Int8RowScaled(module.weight))
+                else:
+                    module.set_kernel(kernel(module.weight))
+            else:
+                module.set_kernel(kernel(module.weight))
             count += 1
+    if stored_int4 is not None and scheme == "int4":
+        logger.info("int4 %s: %d of %d layers keep the file's 4-bit codes", role, kept, count)
     return count
+
+
+def _stored_groups(
+    weight: torch.Tensor, sources: list[str], stored_int4: StoredInt4
+) -> Int4Groups | None:
+    """The stored 4-bit groups of a (possibly fused) weight, rows stacked in checkpoint order;
+    None where a source is not stored in 4 bits or the groups do not give back the loaded
+    weight (a checkpoint changed since its conversion)."""
+    parts = [stored_int4(source) for source in sources]
+    if any(part is None for part in parts):
+        return None
+    codes, scale, base = (torch.cat([torch.as_tensor(p[i]) for p in parts]) for i in range(3))
+    if codes.shape != weight.shape:
+        return None
+    # The loaded weight is these groups expanded (in the model's dtype): check the first rows.
+    rows = min(16, codes.shape[0])
+    expanded = codes[:rows].float().view(rows, -1, INT4_GROUP) * scale[:rows, :, None]
+    expanded = (expanded + base[:rows, :, None]).view(rows, -1).to(weight.dtype)
+    if not torch.equal(expanded, weight[:rows]):
+        logger.warning(
+            "stored 4-bit groups of %s differ from the loaded weight; requantizing", sources
+        )
+        return None
+    return codes, scale, base

@@ -9,7 +9,7 @@ from specdec.engine.models import native
 from specdec.engine.models.arch import ModelArch, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
 from specdec.engine.models.native_elementwise import NativeElementwiseOps, fits
-from specdec.engine.models.quant import DRAFT_ONLY_SCHEMES, quantize_model
+from specdec.engine.models.quant import DRAFT_ONLY_SCHEMES, StoredInt4, quantize_model
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen2ForCausalLM": DecoderLM,
@@ -37,12 +37,14 @@ def build_model(
     device: torch.device,
     quantization: str = "none",
     role: str = "target",
+    stored_int4: StoredInt4 | None = None,
 ) -> DecoderLM:
     """Instantiate, load weights tensor by tensor, and prepare kernels for the device: the linear
     layers in `quantization` (a scheme of `specdec.engine.models.quant`; CPU only), else packed
     for oneDNN on CPU, as ``role`` ("target" or "draft") takes the scheme. A draft in a draft-only
     scheme also runs its norms, activation and rope through the native kernels where they build
-    (`native_elementwise`)."""
+    (`native_elementwise`). ``stored_int4``: an int4 checkpoint's own 4-bit groups
+    (`quant.quantize_model`)."""
     if quantization != "none" and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on CPU only, not on {device.type}")
     model = instantiate_model(arch, dtype, device)
@@ -50,7 +52,7 @@ def build_model(
     model.rope.to(torch.float32)
     model.eval()
     model.quantization = quantization
-    quantize_model(model, quantization, role)
+    quantize_model(model, quantization, role, stored_int4)
     if device.type == "cpu":
         model.pack_linear_weights()
         if role == "draft" and quantization in DRAFT_ONLY_SCHEMES:

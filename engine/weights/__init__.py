@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.engine.weights.cache import COMPLETE_MARKER, specdec_home
+from specdec.engine.weights.cache import COMPLETE_MARKER, converted_from, specdec_home
 from specdec.engine.weights.convert import convert_gguf_to_hf_dir
 from specdec.engine.weights.default_pair import (
     DEFAULT_DRAFT,
@@ -36,6 +36,7 @@ __all__ = [
     "GGUFModel",
     "WheelPart",
     "convert_gguf_to_hf_dir",
+    "converted_from",
     "default_model_names",
     "gguf_to_hf_config",
     "iter_gguf_weights",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,17 @@ def specdec_home(home: Path | None = None) -> Path:
 def is_complete(model_dir: Path) -> bool:
     """True when ``model_dir`` is a fully written converted directory."""
     return (model_dir / COMPLETE_MARKER).is_file()
+
+
+def converted_from(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory was made from, where its marker names one that is
+    still there (the directory's tensors are that file's, dequantized)."""
+    try:
+        source = json.loads((model_dir / COMPLETE_MARKER).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    path = Path(source) if isinstance(source, str) else None
+    return path if path is not None and path.suffix == ".gguf" and path.is_file() else None
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ resident memory of a conversion stays near one dequantized tensor however large 
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader, TokenType
 from gguf.quants import dequantize
 from specdec.engine.errors import CorruptModelFileError, ModelNotFoundError
 from specdec.engine.weights.gguf_config import ArchSpec, arch_spec, build_hf_config
+from specdec.engine.weights.gguf_int4 import INT4_TYPES, Int4Groups, int4_groups
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +215,31 @@ class GGUFModel:
                 "installed gguf package cannot dequantize."
             ) from exc
         return out.reshape(shape)
+
+    def stored_int4(self, hf_name: str) -> Int4Groups | None:
+        """The file's own 4-bit groups of weight ``hf_name`` (codes, scale, base as
+        ``gguf_int4.int4_groups`` gives them), or None where it is not stored in a 4-bit type."""
+        gguf_name = self._gguf_names.get(hf_name)
+        tensor = self.tensors.get(gguf_name) if gguf_name else None
+        if tensor is None or tensor.tensor_type not in INT4_TYPES or len(tensor.shape) != 2:
+            return None
+        raw = np.empty(tensor.n_bytes, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(tensor.data_offset)
+            if f.readinto(memoryview(raw)) != tensor.n_bytes:
+                raise _damaged(self.path, f"tensor {tensor.name} is cut short")
+        groups = int4_groups(raw, tensor.tensor_type, tensor.shape)
+        part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+        if self.spec.permute_qk and part in ("attn_q", "attn_k"):
+            heads = self.meta(f"{self.architecture}.attention.head_count")
+            if part == "attn_k":
+                heads = self.meta(f"{self.architecture}.attention.head_count_kv", heads)
+            groups = tuple(unpermute_qk(array, int(heads)) for array in groups)
+        return groups
+
+    @functools.cached_property
+    def _gguf_names(self) -> dict[str, str]:
+        return {hf_name: gguf_name for gguf_name, hf_name, _ in self.weight_plan()}
 
     def iter_weights(
         self, dtype: torch.dtype = torch.float32
