@@ -191,9 +191,7 @@ def test_native_elementwise_ops_match_the_torch_layers(dtype):
 
 @needs_native
 @pytest.mark.parametrize("scheme", ["int8-dynamic", "int4"])
-def test_a_draft_in_a_draft_only_format_runs_the_native_ops_close_to_the_torch_layers(
-    target, scheme
-):
+def test_a_quantized_draft_runs_the_native_ops_close_to_the_torch_layers(target, scheme):
     from specdec.engine.models.native_elementwise import NativeElementwiseOps
     from tiny_models import make_engine
 
@@ -205,7 +203,8 @@ def test_a_draft_in_a_draft_only_format_runs_the_native_ops_close_to_the_torch_l
         torch_engine = draft_engine()
     assert isinstance(native_engine.draft.model.norm.ops, NativeElementwiseOps)
     assert torch_engine.draft.model.norm.ops is None
-    assert native_engine.target.model.norm.ops is None  # the target keeps the torch layers
+    # An unquantized target keeps the torch layers: its numbers are the checkpoint's own.
+    assert native_engine.target.model.norm.ops is None
     ids = [3, 14, 15, 92]  # four rows: every int4 product on an int4 kernel in both
     exact = _draft_logits(draft_engine("none"), ids)
 
@@ -217,16 +216,49 @@ def test_a_draft_in_a_draft_only_format_runs_the_native_ops_close_to_the_torch_l
     assert error(native_engine) < 1.1 * error(torch_engine) + 0.01
 
 
+@needs_native
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_target_runs_the_native_ops_close_to_the_torch_layers(target, scheme):
+    """Its numbers are the quantized weights' whichever layers run: the native ops round once
+    where the torch layers round between steps, and add no error beyond that rounding."""
+    from specdec.engine.models.native_elementwise import NativeElementwiseOps
+    from tiny_models import make_engine
+
+    engine = make_engine(target, quantization=scheme)
+    model = engine.target.model
+    ops = model.norm.ops
+    assert isinstance(ops, NativeElementwiseOps)
+    ids = [3, 14, 15, 92, 65, 35]
+    exact = _logits(make_engine(target), None, ids)
+
+    def error(logits: torch.Tensor) -> float:
+        return float((logits - exact).norm() / exact.norm())
+
+    got = _logits(engine, None, ids)
+    model.use_fused_ops(None)  # the same quantized weights through the torch layers
+    assert error(got) < 1.1 * error(_logits(engine, None, ids)) + 0.01
+    model.use_fused_ops(ops)
+    # Each row alone, as a decode step computes it, equals its row in the prompt's one pass.
+    assert torch.equal(_logits(engine, None, ids[:4])[3], got[3])
+
+
 def _draft_logits(engine, ids: list[int]) -> torch.Tensor:
+    return _logits(engine, engine.proposer.runner, ids)
+
+
+def _logits(engine, runner, ids: list[int]) -> torch.Tensor:
+    """The logits of every row of ``ids`` as one prompt through ``runner`` (None: the target's),
+    with the KV blocks handed back."""
     from specdec.engine.model_runner import RunEntry
     from specdec.engine.sampling_params import SamplingParams
     from specdec.engine.sequence import Sequence
 
+    runner = runner or engine.target_runner
     seq = Sequence(-1, "probe", ids, SamplingParams(max_tokens=1), "off")
     free = engine.allocator.num_free_blocks
     engine.allocator.allocate(seq, seq.num_tokens)
     try:
-        return engine.proposer.runner.run([RunEntry(seq, ids, 0, len(ids))])
+        return runner.run([RunEntry(seq, ids, 0, len(ids))])
     finally:
         engine.allocator.free(seq)
         assert engine.allocator.num_free_blocks == free

@@ -1,8 +1,8 @@
 """The engine's native CPU kernels (``int4_matmul.c``, ``elementwise.c``, ``int8_rows.c``):
 compiled into one shared library on first use with the system's C compiler, loaded with ctypes,
-used where the CPU has AVX-512 VNNI. The element-wise ops serve drafts only
-(``native_elementwise``): their rounding is not the torch layers', which a draft may differ by
-without changing the output. The int4 product (``int4_native``) serves int4 drafts and int4
+used where the CPU has AVX-512 VNNI. The element-wise ops serve quantized models
+(``native_elementwise``): their rounding is not the torch layers', which an unquantized target
+keeps so that its numbers stay the checkpoint's reference ones. The int4 product (``int4_native``) serves int4 drafts and int4
 targets, and the int8 target's per-row activation map (``int8_rows.c``,
 ``quant.Int8RowScaled``) replaces several torch calls with one; both compute each row on its
 own.

@@ -1,10 +1,13 @@
-"""A draft's norms, activation and rotary embedding on CPU through the native kernels
+"""A quantized model's norms, activation and rotary embedding on CPU through the native kernels
 (``elementwise.c``, loaded by ``native``): one call each where the torch layers run several
-kernels, which is most of a small draft's step beside its weight products.
+kernels, which is most of a small draft's step beside its weight products and about a tenth of
+an int8 target's decode step.
 
 Each value is computed in float32 and rounded once, where the torch layers round between steps,
-so a model using these computes slightly different numbers: drafts only (`build_model` gives
-them to models in a draft-only weight format, where `fits` holds).
+so a model using these computes slightly different numbers, each row on its own: `build_model`
+gives them to quantized models (target or draft, where `fits` holds), whose numbers are the
+quantized weights' rather than the checkpoint's reference ones; an unquantized target keeps the
+torch layers.
 """
 
 from __future__ import annotations

@@ -374,9 +374,6 @@ class Int4Draft:
 KERNELS = {"int8": Int8RowScaled, "int8-dynamic": Int8Dynamic, "int4": Int4Draft}
 # A target's int4 computes every row alone; a draft's switches to an int8 copy for many rows.
 TARGET_KERNELS = {**KERNELS, "int4": Int4Exact}
-# Schemes whose rows depend on their batch-mates when a draft holds them: offered for drafts only
-# (a plain engine may serve them too).
-DRAFT_ONLY_SCHEMES = frozenset({"int8-dynamic", "int4"})
 
 
 def quantize_model(

@@ -9,7 +9,7 @@ from specdec.engine.models import native
 from specdec.engine.models.arch import ModelArch, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
 from specdec.engine.models.native_elementwise import NativeElementwiseOps, fits
-from specdec.engine.models.quant import DRAFT_ONLY_SCHEMES, StoredInt4, quantize_model
+from specdec.engine.models.quant import StoredInt4, quantize_model
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen2ForCausalLM": DecoderLM,
@@ -41,10 +41,11 @@ def build_model(
 ) -> DecoderLM:
     """Instantiate, load weights tensor by tensor, and prepare kernels for the device: the linear
     layers in `quantization` (a scheme of `specdec.engine.models.quant`; CPU only), else packed
-    for oneDNN on CPU, as ``role`` ("target" or "draft") takes the scheme. A draft in a draft-only
-    scheme also runs its norms, activation and rope through the native kernels where they build
-    (`native_elementwise`). ``stored_int4``: an int4 checkpoint's own 4-bit groups
-    (`quant.quantize_model`)."""
+    for oneDNN on CPU, as ``role`` ("target" or "draft") takes the scheme. A quantized model also
+    runs its norms, activation and rope through the native kernels where they build
+    (`native_elementwise`): its numbers are the quantized weights' anyway, never the checkpoint's
+    reference ones, and the kernels compute each row alone. ``stored_int4``: an int4
+    checkpoint's own 4-bit groups (`quant.quantize_model`)."""
     if quantization != "none" and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on CPU only, not on {device.type}")
     model = instantiate_model(arch, dtype, device)
@@ -55,13 +56,13 @@ def build_model(
     quantize_model(model, quantization, role, stored_int4)
     if device.type == "cpu":
         model.pack_linear_weights()
-        if role == "draft" and quantization in DRAFT_ONLY_SCHEMES:
+        if quantization != "none":
             model.use_fused_ops(native_elementwise_ops(arch, dtype))
     return model
 
 
 def native_elementwise_ops(arch: ModelArch, dtype: torch.dtype) -> NativeElementwiseOps | None:
-    """The native norm, activation and rope kernels for a draft of this shape, where they build
+    """The native norm, activation and rope kernels for a model of this shape, where they build
     and fit (None: the torch layers)."""
     lib = native.library()
     if lib is None or not fits(arch.hidden_size, dtype):
