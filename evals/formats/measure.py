@@ -13,6 +13,7 @@ import math
 import resource
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -104,21 +105,30 @@ def one_row_forward_ms(
     return 1000 * statistics.median(times)
 
 
-def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 256) -> float:
-    """exp(mean next-token negative log-likelihood) of the target over `token_ids`."""
-    seq = Sequence(-1, "ppl", list(token_ids), greedy(1), "off")
+def next_token_logprobs(
+    engine: LLMEngine, token_ids: list[int], chunk: int = 256
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The target's next-token log-probabilities over a text, chunk by chunk (prefill-sized
+    forwards): ``([n, vocab] float32, [n] next tokens)`` for every position whose next token is
+    in the text. The KV blocks are handed back when the text ends (or the caller stops)."""
+    seq = Sequence(-1, "heldout", list(token_ids), greedy(1), "off")
     engine.allocator.allocate(seq, seq.num_tokens)
-    nll, count = 0.0, 0
     try:
         for start in range(0, len(token_ids) - 1, chunk):
             piece = token_ids[start : start + chunk]
             logits = engine.target_runner.run([RunEntry(seq, piece, start, len(piece))])
             targets = torch.tensor(token_ids[start + 1 : start + 1 + len(piece)])
-            logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-            nll -= float(logp.gather(1, targets[:, None]).sum())
-            count += len(targets)
+            yield torch.log_softmax(logits[: len(targets)].float(), dim=-1), targets
     finally:
         engine.allocator.free(seq)
+
+
+def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 256) -> float:
+    """exp(mean next-token negative log-likelihood) of the target over `token_ids`."""
+    nll, count = 0.0, 0
+    for logp, targets in next_token_logprobs(engine, token_ids, chunk):
+        nll -= float(logp.gather(1, targets[:, None]).sum())
+        count += len(targets)
     return math.exp(nll / count)
 
 
