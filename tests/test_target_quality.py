@@ -29,7 +29,7 @@ def test_a_target_matches_itself_and_a_quantized_copy_diverges(target):
     free = reference.allocator.num_free_blocks
     chunks = [logp for logp, _ in next_token_logprobs(reference, IDS)]
     assert reference.allocator.num_free_blocks == free  # the text's blocks are handed back
-    same = target_quality.compare(chunks, reference, IDS)
+    same = target_quality.compare(chunks, reference, IDS, min_context=1)
     assert same["positions"] == len(IDS) - 1
     assert same["kld_mean"] == 0.0 and same["kld_max"] == 0.0
     assert same["top1_agreement"] == 1.0 and same["delta_p_rms"] == 0.0
@@ -37,11 +37,14 @@ def test_a_target_matches_itself_and_a_quantized_copy_diverges(target):
 
     quantized = make_engine(target, quantization="int8")
     free = quantized.allocator.num_free_blocks
-    lossy = target_quality.compare(chunks, quantized, IDS)
+    lossy = target_quality.compare(chunks, quantized, IDS, min_context=1)
     assert quantized.allocator.num_free_blocks == free
     assert 0.0 < lossy["kld_median"] <= lossy["kld_p99"] <= lossy["kld_max"]
     assert lossy["kld_mean"] > 0.0 and lossy["delta_p_rms"] > 0.0
     assert 0.0 <= lossy["top1_agreement"] <= 1.0
+    # From 16 tokens of context on: the first 15 positions are left out.
+    later = target_quality.compare(chunks, quantized, IDS, min_context=16)
+    assert later["positions"] == len(IDS) - 16
 
 
 @pytest.mark.parametrize(
@@ -81,6 +84,7 @@ def test_report_lists_every_arm_against_the_reference():
         "threads": 2,
         "target": "tiny",
         "tokens": 704,
+        "min_context": 16,
         "rows": {
             "float32:none": {"arm": "float32:none", "elementwise": "torch", **row},
             "bfloat16:int8": {"arm": "bfloat16:int8", "elementwise": "native", **row},

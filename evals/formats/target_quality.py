@@ -5,7 +5,7 @@
 
 Every arm (``DTYPE:QUANTIZATION``, the target alone, no draft) reads the held-out text
 (`evals/data/heldout/`) in prompt-sized forwards, as does the fp32 reference first. At every
-position the arm's next-token distribution is compared with the reference's at the same position:
+position with some context (``MIN_CONTEXT``) the arm's next-token distribution is compared with the reference's at the same position:
 the KL divergence KL(reference || arm) in nats (what llama.cpp's ``perplexity --kl-divergence``
 reports for its quantizations), whether the two put the same token on top, and the change in the
 probability of the text's actual next token; beside them each model's perplexity. Perplexity
@@ -36,6 +36,11 @@ import torch
 from specdec.engine.config import DEFAULT_TARGET, EngineConfig
 
 REFERENCE = "float32:none"
+# Positions scored from this much context on. A text's first tokens, seen alone, carry the very
+# large activations models keep for a sequence's start (no served prompt reaches a user's tokens
+# without a template before them), and one such position can outweigh hundreds of others in a
+# mean. llama.cpp's divergence likewise scores only the second half of each context window.
+MIN_CONTEXT = 16
 LAYERS = ("torch-layers", "native-layers")  # the element-wise layers an arm may pin
 
 
@@ -115,15 +120,24 @@ class Tally:
         }
 
 
-def compare(reference: Iterable[torch.Tensor], engine, token_ids: list[int]) -> dict:
+def compare(
+    reference: Iterable[torch.Tensor],
+    engine,
+    token_ids: list[int],
+    min_context: int = MIN_CONTEXT,
+) -> dict:
     """The `Tally` summary of ``engine``'s target against the reference's log-probabilities
-    over ``token_ids`` (chunked as `measure.next_token_logprobs` chunks them)."""
+    over ``token_ids`` (chunked as `measure.next_token_logprobs` chunks them), at the positions
+    that see at least ``min_context`` tokens."""
     from specdec.evals.formats.measure import next_token_logprobs
 
-    tally = Tally()
+    tally, seen = Tally(), 0
     chunks = next_token_logprobs(engine, token_ids)
     for ref, (logp, targets) in zip(reference, chunks, strict=True):
-        tally.add(ref, logp, targets)
+        skip = max(0, min(len(targets), min_context - 1 - seen))  # position i sees i + 1 tokens
+        seen += len(targets)
+        if skip < len(targets):
+            tally.add(ref[skip:], logp[skip:], targets[skip:])
     return tally.summary()
 
 
@@ -156,7 +170,7 @@ def measure(arms: list[TargetArm], text: str, threads: int) -> dict:
         print(json.dumps(rows[arm.name]), flush=True)
         del engine, model
         gc.collect()
-    return {"target": DEFAULT_TARGET, "tokens": len(ids), "rows": rows}
+    return {"target": DEFAULT_TARGET, "tokens": len(ids), "min_context": MIN_CONTEXT, "rows": rows}
 
 
 def _layers(name: str, model):
@@ -180,10 +194,12 @@ def markdown(result: dict) -> str:
         f"Command: `{result['command']}` at commit {result['commit']}. Machine: {env['cpu']} "
         f"({result['cpu_flags']}), {result['threads']} threads. The target "
         f"({result['target']}) alone reads the held-out text ({result['tokens']} tokens) in "
-        "256-token forwards; at every position its next-token distribution is compared with the "
+        f"256-token forwards; at every position from {result['min_context']} tokens of context on "
+        f"({reference['positions']} positions) its next-token distribution is compared with the "
         f"fp32 model's ({REFERENCE}, perplexity {reference['perplexity']:.3f}). KL divergence "
         "KL(fp32 || arm) in nats; top-1: the share of positions where both rank the same token "
-        "first; delta p: the arm's probability of the text's next token minus fp32's. "
+        "first; delta p: the arm's probability of the text's next token minus fp32's; perplexity "
+        "over the same positions. "
         "Element-wise: the layers computing norms, activation and rope.",
         "",
         "| arm | element-wise | mean KLD | median KLD | p99 KLD | max KLD | top-1 agreement "
