@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from specdec.engine.calibration import cpu_model
@@ -46,3 +48,26 @@ def git_commit() -> str:
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+def result_header(module: str, argv: Sequence[str] | None, threads: int) -> dict:
+    """What a measurement program's result opens with: the command that made it (``python -m
+    module ARGS``, ``argv`` or the process's own), the commit, the machine, its CPU's vector
+    flags and the thread count."""
+    from specdec.engine.cpu_features import vector_flags_summary
+
+    args = list(argv) if argv is not None else sys.argv[1:]
+    return {
+        "command": f"python -m {module} {shlex.join(args)}".rstrip(),
+        "commit": git_commit(),
+        "environment": environment_info(),
+        "cpu_flags": vector_flags_summary(),
+        "threads": threads,
+    }
+
+
+def write_result(output_dir: Path, name: str, result: dict, markdown: str) -> None:
+    """``name.json`` and ``name.md`` in ``output_dir`` (made where missing)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (output_dir / f"{name}.md").write_text(markdown)

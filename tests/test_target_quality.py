@@ -3,6 +3,7 @@ top-1 agreement and perplexity, its arm syntax and its report."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -94,3 +95,14 @@ def test_report_lists_every_arm_against_the_reference():
     assert "| `bfloat16:int8` | native | 0.01240 | 0.00210 | 0.0557 | 4.2500 | 0.966 |" in md
     assert "`float32:none`" not in md.split("|---|")[-1]  # the reference is the header's
     assert "perplexity 5.350" in md and "Some CPU" in md
+
+
+def test_result_files_open_with_the_command_commit_and_machine(tmp_path):
+    from specdec.evals.environment import result_header, write_result
+
+    header = result_header("specdec.evals.formats.target_quality", ["--arms", "a b"], 2)
+    assert header["command"] == "python -m specdec.evals.formats.target_quality --arms 'a b'"
+    assert header["threads"] == 2 and header["commit"] and header["environment"]["cpu"]
+    write_result(tmp_path / "new", "target_quality", {**header, "rows": {}}, "# report\n")
+    assert json.loads((tmp_path / "new" / "target_quality.json").read_text())["threads"] == 2
+    assert (tmp_path / "new" / "target_quality.md").read_text() == "# report\n"

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -155,24 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    from specdec.engine.cpu_features import vector_flags_summary
-    from specdec.evals.environment import environment_info, git_commit
+    from specdec.evals.environment import result_header, write_result
 
-    result = measure(args)
+    measured = measure(args)  # first: the header records the threads it set
     result = {
-        "command": "python -m specdec.evals.formats.draft_quality "
-        + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "commit": git_commit(),
-        "environment": environment_info(),
-        "cpu_flags": vector_flags_summary(),
-        "threads": args.threads,
+        **result_header("specdec.evals.formats.draft_quality", argv, args.threads),
         "rounds": args.rounds,
         "outputs": len(corpus_io.read(args.corpus)[: args.limit or None]),
-        **result,
+        **measured,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "draft_quality.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.output_dir / "draft_quality.md").write_text(markdown(result))
+    write_result(args.output_dir, "draft_quality", result, markdown(result))
     print(markdown(result))
     return 0
 

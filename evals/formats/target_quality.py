@@ -25,9 +25,7 @@ import argparse
 import gc
 import json
 import math
-import shlex
 import statistics
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,23 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         arms = [TargetArm.parse(a.strip()) for a in args.arms.split(",") if a.strip()]
     except ValueError as e:
         ap.error(str(e))
-    from specdec.engine.cpu_features import vector_flags_summary
-    from specdec.evals.environment import environment_info, git_commit
+    from specdec.evals.environment import result_header, write_result
     from specdec.evals.formats.bench_formats import heldout_text
 
-    result = measure(arms, heldout_text(), args.threads)
-    result = {
-        "command": "python -m specdec.evals.formats.target_quality "
-        + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "commit": git_commit(),
-        "environment": environment_info(),
-        "cpu_flags": vector_flags_summary(),
-        "threads": args.threads,
-        **result,
-    }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "target_quality.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.output_dir / "target_quality.md").write_text(markdown(result))
+    measured = measure(arms, heldout_text(), args.threads)
+    header = result_header("specdec.evals.formats.target_quality", argv, args.threads)
+    result = {**header, **measured}
+    write_result(args.output_dir, "target_quality", result, markdown(result))
     print(markdown(result))
     return 0
 
