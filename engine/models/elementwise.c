@@ -5,8 +5,8 @@
  * Every value is computed in float32 and rounded once to the tensor's dtype (float32 or bf16,
  * round to nearest even), each row on its own: a row's result never depends on the other rows.
  * The rounding differs from the torch layers' (they round between steps), so these serve quantized
- * models, whose numbers are the quantized weights' and not the checkpoint's reference ones. Rows are split across
- * the OpenMP threads once there are enough of them to pay for waking the threads.
+ * models, whose numbers are the quantized weights' and not the checkpoint's reference ones. Rows
+ * are split across the OpenMP threads once there are enough of them to pay for waking them.
  */
 #include <math.h>
 

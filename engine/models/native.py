@@ -2,10 +2,10 @@
 compiled into one shared library on first use with the system's C compiler, loaded with ctypes,
 used where the CPU has AVX-512 VNNI. The element-wise ops serve quantized models
 (``native_elementwise``): their rounding is not the torch layers', which an unquantized target
-keeps so that its numbers stay the checkpoint's reference ones. The int4 product (``int4_native``) serves int4 drafts and int4
-targets, and the int8 target's per-row activation map (``int8_rows.c``,
-``quant.Int8RowScaled``) replaces several torch calls with one; both compute each row on its
-own.
+keeps so that its numbers stay the checkpoint's reference ones. The int4 product
+(``int4_native``) serves int4 drafts and int4 targets, and the int8 target's per-row activation
+map (``int8_rows.c``, ``quant.Int8RowScaled``) replaces several torch calls with one; all of
+them compute each row on its own.
 
 The library is built into ``$SPECDEC_HOME/kernels/`` under a name that digests the sources, the
 flags and the compiler, so an edit or another compiler builds anew and a restart only loads it.

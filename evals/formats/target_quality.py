@@ -5,10 +5,11 @@
 
 Every arm (``DTYPE:QUANTIZATION``, the target alone, no draft) reads the held-out text
 (`evals/data/heldout/`) in prompt-sized forwards, as does the fp32 reference first. At every
-position with some context (``MIN_CONTEXT``) the arm's next-token distribution is compared with the reference's at the same position:
-the KL divergence KL(reference || arm) in nats (what llama.cpp's ``perplexity --kl-divergence``
-reports for its quantizations), whether the two put the same token on top, and the change in the
-probability of the text's actual next token; beside them each model's perplexity. Perplexity
+position with some context (``MIN_CONTEXT``) the arm's next-token distribution is compared with
+the reference's at the same position: the KL divergence KL(reference || arm) in nats (what
+llama.cpp's ``perplexity --kl-divergence`` reports for its quantizations), whether the two put
+the same token on top, and the change in the probability of the text's actual next token; beside
+them each model's perplexity. Perplexity
 alone resolves a quantized target poorly on a text this short: any change of rounding moves it by
 about 1%, up or down, because the text's own difficulty dominates it. The divergence compares each
 position with itself, so that cancels.
