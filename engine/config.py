@@ -15,10 +15,12 @@ SPECULATIVE_POLICIES = ("adaptive", "fixed")
 SCHEDULING_POLICIES = ("fcfs", "spf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight formats of the linear layers (CPU): see specdec.engine.models.quant and docs/formats.md.
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "q8_0", "int4")
 # auto: int4 on CPUs with AVX-512 and fbgemm, where it measured faster than the other draft
 # formats at equal acceptance; none elsewhere (engine/loader.py resolve_draft_quantization).
-DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int8-dynamic", "int4")
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "q8_0", "int8-dynamic", "int4")
+# Formats only the native kernels run (a draft's int4 falls back to torch's kernel), by flag.
+NATIVE_ONLY = {"quantization": ("int4", "q8_0"), "draft-quantization": ("q8_0",)}
 # KV pool formats: auto stores K/V in the model dtype; int8 (a scale per row, CPU) and fp8
 # (= fp8_e4m3) and fp8_e5m2 (no scale) store one byte per element (engine/attention/kv_format.py).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -14,7 +14,7 @@ import torch
 from specdec.engine.attention import create_backend
 from specdec.engine.attention.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttentionBackend
 from specdec.engine.block_allocator import BlockAllocator
-from specdec.engine.config import EngineConfig
+from specdec.engine.config import NATIVE_ONLY, EngineConfig
 from specdec.engine.cuda_graphs import GraphedForward, batch_buckets, num_scratch_blocks
 from specdec.engine.device_memory import RuntimeShapes, runtime_bytes
 from specdec.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -112,10 +112,18 @@ class LLMEngine:
             "none"
         }:
             raise ConfigError("--quantization and --draft-quantization are CPU formats")
-        if config.quantization == "int4" and target is None and native.library() is None:
+        native_only = [
+            f"--{flag} {scheme}"
+            for flag, scheme, model in (
+                ("quantization", config.quantization, target),
+                ("draft-quantization", config.draft_quantization, draft),
+            )
+            if scheme in NATIVE_ONLY[flag] and model is None
+        ]
+        if native_only and native.library() is None:
             raise ConfigError(
-                "--quantization int4 needs the native CPU kernels: an x86 CPU with AVX-512 VNNI "
-                "and a C compiler (docs/formats.md)"
+                f"{' and '.join(native_only)} need the native CPU kernels: an x86 CPU with "
+                "AVX-512 VNNI and a C compiler (docs/formats.md)"
             )
         if self.device.type != "cpu" and config.kv_cache_dtype == "int8":
             raise ConfigError("--kv-cache-dtype int8 is a CPU format: use fp8 on CUDA")

@@ -11,6 +11,7 @@ import torch
 from specdec.engine.cpu_features import has_fast_bf16, has_fast_int4_draft
 from specdec.engine.models import ModelArch, build_model, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
+from specdec.engine.models.quant import STORED_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,11 @@ def load_model(
     start = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
     arch = model_arch_from_hf_config(load_hf_config(path))
-    # An int4 model converted from a GGUF file keeps the file's own 4-bit codes where it has them.
-    source = converted_from(path) if quantization == "int4" else None
-    stored_int4 = GGUFModel(source).stored_int4 if source is not None else None
+    # An int4 or q8_0 model converted from a GGUF file keeps the file's own codes where it has them.
+    source = converted_from(path) if quantization in STORED_BITS else None
+    stored = GGUFModel(source).stored_groups if source is not None else None
     model = build_model(
-        arch, iter_safetensors_weights(path), dtype, device, quantization, role, stored_int4
+        arch, iter_safetensors_weights(path), dtype, device, quantization, role, stored
     )
     tokenizer = None
     if load_tokenizer and any((path / f).exists() for f in TOKENIZER_FILES):

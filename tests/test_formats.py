@@ -203,6 +203,8 @@ FORMATS = [
     ("bfloat16", "none", "int4"),
     ("float32", "int4", "int4"),  # the native kernels only (skipped without them)
     ("bfloat16", "int4", "none"),
+    ("float32", "q8_0", "int4"),  # the native kernels only (skipped without them)
+    ("bfloat16", "q8_0", "q8_0"),
 ]
 
 
@@ -212,8 +214,9 @@ def test_greedy_speculative_equals_greedy_plain_per_format(
 ):
     if dtype == "bfloat16" and not BF16_PACKED:
         pytest.skip("oneDNN has no bf16 on this CPU")
-    if quantization == "int4" and native.library() is None:
-        pytest.skip("an int4 target needs the native kernels (AVX-512 VNNI, a C compiler)")
+    native_only = quantization in ("int4", "q8_0") or draft_quantization == "q8_0"
+    if native_only and native.library() is None:
+        pytest.skip(f"{quantization} needs the native kernels (AVX-512 VNNI, a C compiler)")
     draft = noisy_copy(target, 0.03)
     formats = dict(dtype=dtype, quantization=quantization, draft_quantization=draft_quantization)
     ps = prompts(5)

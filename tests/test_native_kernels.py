@@ -1,5 +1,5 @@
-"""The native draft kernels: the int4 product's layout and arithmetic against a reference written
-out in torch, the element-wise ops against the torch layers, row independence, the fallback to
+"""The native kernels: the int4 and q8_0 products' layouts and arithmetic against references
+written out in torch, the element-wise ops against the torch layers, row independence, the fallback to
 the torch kernels, and building the library once per machine."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from specdec.engine.models import int4_native, native
+from specdec.engine.models import group_native, native
 from specdec.engine.models.quant import INT4_MAX_ROWS, Int4Draft, quantize_weight_int4
 
 NATIVE = native.library() is not None
@@ -44,13 +44,13 @@ def test_native_kernel_computes_the_reference_arithmetic(dtype, out_features):
     weight = _weight(out_features, 256)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))
     q, scale, offset = quantize_weight_int4(weight, 32)
-    packed = int4_native.pack(q, scale, offset - 8 * scale)
+    packed = group_native.pack(q, scale, offset - 8 * scale)
     assert packed.shape == (-(-out_features // 16), 256 // 32, 320)
     lib = native.library()
     for rows in (1, 3, 8, 11):  # 11: a second tile of rows over the same weights
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
         for b in (None, bias.to(dtype)):
-            got = int4_native.linear(lib, packed, out_features, x, b)
+            got = group_native.linear(lib, packed, out_features, x, b)
             want = _reference(x.float(), weight, None if b is None else b.float())
             assert got.dtype == dtype and got.shape == (rows, out_features)
             # float32 sums of integer dot products: rounding only (bf16 output: its own rounding).
@@ -307,15 +307,83 @@ def test_an_int4_target_computes_each_row_alone_at_any_row_count(dtype):
     assert torch.equal(kernel.dense(), want)
 
 
-def test_an_int4_target_without_the_native_kernels_is_a_config_error(monkeypatch):
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"quantization": "int4", "speculative_method": "none"}, "--quantization int4"),
+        ({"quantization": "q8_0", "speculative_method": "none"}, "--quantization q8_0"),
+        ({"draft_quantization": "q8_0"}, "--draft-quantization q8_0"),
+    ],
+)
+def test_a_native_only_format_without_the_native_kernels_is_a_config_error(
+    monkeypatch, fields, named
+):
     from specdec.engine.config import EngineConfig
     from specdec.engine.errors import ConfigError
     from specdec.engine.llm_engine import LLMEngine
-    from specdec.engine.models.quant import Int4Exact
+    from specdec.engine.models.quant import Int4Exact, Q8_0Exact
 
     monkeypatch.setattr(native, "library", lambda: None)
-    with pytest.raises(ValueError, match="native kernels"):
-        Int4Exact(_weight(16, 32))
-    config = EngineConfig(model="tiny", speculative_method="none", quantization="int4")
-    with pytest.raises(ConfigError, match="native CPU kernels"):
+    for kernel in (Int4Exact, Q8_0Exact):
+        with pytest.raises(ValueError, match="native kernels"):
+            kernel(_weight(16, 32))
+    config = EngineConfig(model="tiny", **fields)
+    with pytest.raises(ConfigError, match=f"{named} need the native CPU kernels"):
         LLMEngine(config, progress=False)
+
+
+def _q8_0_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the q8_0 kernel computes, in float64: activations rounded to int8 per group of 32
+    (scale max |x| / 127), each group's integer dot product times both scales."""
+    rows, k = x.shape
+    xg = x.double().view(rows, k // 32, 32)
+    xscale = xg.abs().amax(-1) / 127
+    xcodes = torch.round(xg / xscale.clamp_min(1e-300)[..., None]).clamp(-127, 127)
+    dots = torch.einsum("rgi,ogi->rog", xcodes, codes.double().view(-1, k // 32, 32))
+    return (dots * scale.double() * xscale[:, None, :]).sum(-1)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [16, 40, 1000])
+def test_q8_0_kernel_computes_the_reference_arithmetic(dtype, out_features):
+    from specdec.engine.models.quant import quantize_weight_q8_0
+
+    codes, scale = quantize_weight_q8_0(_weight(out_features, 256))
+    codes[0, :32] = -128  # GGUF's Q8_0 may hold -128, which our own rounding never makes
+    packed = group_native.pack_q8_0(codes, scale)
+    assert packed.shape == (-(-out_features // 16), 256 // 32, 544)
+    dense = (codes.float().view(out_features, 8, 32) * scale[..., None]).view(out_features, 256)
+    assert torch.equal(group_native.unpack_q8_0(packed, out_features), dense)
+    lib = native.library()
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))
+    for rows in (1, 3, 8, 11):  # 11: a second tile of rows over the same weights
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        for b in (None, bias.to(dtype)):
+            got = group_native.linear(lib, packed, out_features, x, b)
+            want = _q8_0_reference(x.float(), codes, scale)
+            want = want if b is None else want + b.double()
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            err = float((got.double() - want).abs().max() / want.abs().max())
+            assert err < tol, (rows, err)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_q8_0_target_computes_each_row_alone_and_stays_close_to_the_float_product(dtype):
+    from specdec.engine.models.quant import Int8RowScaled, Q8_0Exact
+
+    weight = _weight(40, 256)
+    kernel = Q8_0Exact(weight)
+    gen = torch.Generator().manual_seed(10)
+    # Heavy-tailed rows, as a transformer's activations: a few entries far above the rest.
+    x = (torch.randn(20, 256, generator=gen) * torch.randn(20, 256, generator=gen).exp()).to(dtype)
+    alone = torch.cat([kernel(x[i : i + 1], None) for i in range(20)])
+    for rows in (2, 8, 9, 20):
+        assert torch.equal(kernel(x[:rows], None), alone[:rows])
+    # Local activation ranges keep the small entries that one range per row rounds coarsely.
+    want = x.double() @ weight.double().t()
+    err_q8_0 = (alone.double() - want).norm() / want.norm()
+    err_int8 = (Int8RowScaled(weight)(x, None).double() - want).norm() / want.norm()
+    assert err_q8_0 < 0.8 * err_int8, (err_q8_0, err_int8)

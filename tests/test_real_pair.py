@@ -94,7 +94,7 @@ def test_speculative_equals_plain_and_accepts_code():
 
 def test_the_default_targets_4_bit_blocks_read_back_exactly():
     """The GGUF file behind the default target: its Q4_K tensors read as int4 groups give back
-    gguf's own dequantized weights bit for bit; its Q6_K tensors are not offered as 4-bit."""
+    gguf's own dequantized weights bit for bit; its Q6_K tensors are not offered as groups."""
     import numpy as np
     from specdec.engine.weights import GGUFModel, converted_from
 
@@ -106,10 +106,11 @@ def test_the_default_targets_4_bit_blocks_read_back_exactly():
             "attn_q": "self_attn.q_proj", "ffn_gate": "mlp.gate_proj",
             "attn_output": "self_attn.o_proj",
         }[gguf_name.split(".")[2]] + ".weight"  # fmt: skip
-        codes, scale, base = file.stored_int4(hf_name)
+        bits, codes, scale, base = file.stored_groups(hf_name)
+        assert bits == 4
         rows = codes.shape[0]
         expanded = codes.reshape(rows, -1, 32) * scale[..., None] + base[..., None]
         want = file.read_small_tensor(gguf_name)
         assert np.array_equal(expanded.astype(np.float32).reshape(want.shape), want)
-    assert file.stored_int4("model.layers.0.self_attn.v_proj.weight") is None  # Q6_K
-    assert file.stored_int4("lm_head.weight") is None  # Q6_K
+    assert file.stored_groups("model.layers.0.self_attn.v_proj.weight") is None  # Q6_K
+    assert file.stored_groups("lm_head.weight") is None  # Q6_K

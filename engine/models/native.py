@@ -1,9 +1,9 @@
-"""The engine's native CPU kernels (``int4_matmul.c``, ``elementwise.c``, ``int8_rows.c``):
+"""The engine's native CPU kernels (``group_matmul.c``, ``elementwise.c``, ``int8_rows.c``):
 compiled into one shared library on first use with the system's C compiler, loaded with ctypes,
 used where the CPU has AVX-512 VNNI. The element-wise ops serve quantized models
 (``native_elementwise``): their rounding is not the torch layers', which an unquantized target
-keeps so that its numbers stay the checkpoint's reference ones. The int4 product
-(``int4_native``) serves int4 drafts and int4 targets, and the int8 target's per-row activation
+keeps so that its numbers stay the checkpoint's reference ones. The products of
+weights in groups of 32 (``group_native``) serve int4 drafts, int4 and q8_0 targets, and the int8 target's per-row activation
 map (``int8_rows.c``, ``quant.Int8RowScaled``) replaces several torch calls with one; all of
 them compute each row on its own.
 
@@ -34,7 +34,7 @@ from specdec.engine.weights.cache import specdec_home
 
 SWITCH_ENV = "SPECDEC_NATIVE_KERNELS"
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "int4_matmul.c", _HERE / "elementwise.c", _HERE / "int8_rows.c")
+_SOURCES = (_HERE / "group_matmul.c", _HERE / "elementwise.c", _HERE / "int8_rows.c")
 _HEADERS = (_HERE / "simd16.h",)
 # -ffp-contract=off: no multiply-add fused behind the sources' back, so int8_rows.c's arithmetic
 # is the IEEE operations it spells out.
@@ -48,6 +48,7 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     # (weight, outputs, inputs, x, rows, bias or NULL, bf16, y) -> 0, or -1 without memory
     "int4_linear": ([_P, _I, _I, _P, _I, _P, _I, _P], ctypes.c_int),
+    "q8_0_linear": ([_P, _I, _I, _P, _I, _P, _I, _P], ctypes.c_int),
     # (x, weight, rows, n, eps, bf16, out)
     "rms_norm": ([_P, _P, _I, _I, _F, _I, _P], None),
     # (x, residual, weight, rows, n, eps, bf16): in place

@@ -20,7 +20,7 @@ row or two (docs/formats.md).
   codes (``onednn_rows_match_fbgemm``): its cost stays flat with the rows.
 - ``Int4Draft`` (scheme "int4", drafts only): 4-bit weights in groups along the input with a
   scale and offset per group. A product of a few rows runs the native kernel
-  (``int4_native``: 4-bit codes times 8-bit activation codes with AVX-512 VNNI, built on first use)
+  (``group_native``: 4-bit codes times 8-bit activation codes with AVX-512 VNNI, built on first use)
   or, on CPUs without VNNI or without a C compiler, torch's CPU int4 weight-only kernel (bf16
   activations, whatever the model's dtype). Both read an eighth of fp32's bytes, and their cost
   grows with the rows, so from a handful of rows on (8 native, 4 torch) a dynamic int8 copy of
@@ -31,28 +31,35 @@ row or two (docs/formats.md).
   at every row count, each row computed on its own, so greedy speculative output equals greedy
   plain output of the int4 model. Prompts cost more than in the other formats: the kernel runs
   8 rows per pass over the weights.
+- ``Q8_0Exact`` (scheme "q8_0"): GGUF's Q8_0, signed 8-bit weights with an fp16 scale per 32
+  inputs, through the native kernel at every row count, with one activation scale per 32 inputs
+  of a row (as llama.cpp multiplies Q8_0): per-row ranges over the whole width round a row's
+  small entries coarsely where a few are large, local ranges do not, so this format stays
+  several times closer to the float model than "int8" (docs/formats.md). Exact like ``Int4Exact``
+  and with its prompt cost; an int4 target runs it for the layers a file stores in more bits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import warnings
 from collections.abc import Callable
 
 import torch
-from specdec.engine.models import int4_native, native
+from specdec.engine.models import group_native, native
 from specdec.engine.models.decoder import checkpoint_sources
 from specdec.engine.models.layers import Linear
+from specdec.engine.weights.gguf_blocks import StoredGroups
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# 4-bit groups as a checkpoint stores them: codes [out, in] in 0..15, scale and base
-# [out, in / INT4_GROUP], w = scale * code + base (arrays or tensors).
-Int4Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-# Checkpoint weight name -> its stored 4-bit groups, or None where it is not stored in 4 bits.
-StoredInt4 = Callable[[str], Int4Groups | None]
+# Groups of 32 weights: codes [out, in], scale and base [out, in / 32], w = scale * code + base.
+Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# Checkpoint weight name -> the groups a checkpoint stores it in (a GGUF file's blocks), or None.
+Stored = Callable[[str], StoredGroups | None]
 
 _CHUNK_ROWS = 16384  # weight rows converted at a time, so a 150k-row lm_head needs no fp32 copy
 
@@ -247,6 +254,7 @@ class Int8RowScaled:
 # llama.cpp's 4-bit blocks). On the default pair's greedy outputs a 32-weight group agrees with
 # the target as often as the int8 draft does, 64 about 1% less often, for ~4% more kernel time.
 INT4_GROUP = 32
+Q8_0_GROUP = 32  # GGUF's Q8_0 block
 # Up to this many rows an int4 product beats the int8 copy on the default draft's layers (2-core
 # Xeon, AMX, all 97 products of one draft forward streamed from memory): torch's kernel 12 vs 18
 # ms at one row, 23 vs 25 at four, int8 from six rows on; the native kernel 12 / 15 / 20 ms at 1 /
@@ -295,29 +303,73 @@ def _int4_group(in_features: int) -> int:
 
 
 class Int4Exact:
-    """int4 weights for any row count through the native kernel (``int4_native``): each row is
+    """int4 weights for any row count through the native kernel (``group_native``): each row is
     computed on its own, so a target in this format keeps greedy speculative output equal to its
     plain output. Needs the native kernels (an x86 CPU with AVX-512 VNNI, a C compiler)."""
 
-    def __init__(self, weight: torch.Tensor, stored: Int4Groups | None = None) -> None:
-        self.native = native.library()
-        if self.native is None:
-            raise ValueError(
-                "int4 target weights need the native kernels: an x86 CPU with AVX-512 VNNI and "
-                "a C compiler (docs/formats.md)"
-            )
+    def __init__(self, weight: torch.Tensor, stored: Groups | None = None) -> None:
+        self.native = _native_library("int4")
         self.out_features = weight.shape[0]
         if stored is None:
             q, scale, offset = quantize_weight_int4(weight.detach(), _int4_group(weight.shape[1]))
             stored = (q, scale, offset - 8 * scale)  # w = scale * q + base
-        self.packed = int4_native.pack(*stored)
+        self.packed = group_native.pack(*(torch.as_tensor(a) for a in stored))
         self.nbytes = self.packed.numel()
 
     def dense(self) -> torch.Tensor:
-        return int4_native.unpack(self.packed, self.out_features)
+        return group_native.unpack(self.packed, self.out_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = int4_native.linear(self.native, self.packed, self.out_features, x, bias)
+        y = group_native.linear(self.native, self.packed, self.out_features, x, bias)
+        return y.to(x.dtype)
+
+
+def _native_library(scheme: str) -> ctypes.CDLL:
+    lib = native.library()
+    if lib is None:
+        raise ValueError(
+            f"{scheme} target weights need the native kernels: an x86 CPU with AVX-512 VNNI and "
+            "a C compiler (docs/formats.md)"
+        )
+    return lib
+
+
+def quantize_weight_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 in groups of 32 inputs, as GGUF's Q8_0: (codes [out, in] int8 in
+    -127..127, scale [out, in / 32] float32 holding fp16 values), w ~ code * scale."""
+    out_features, in_features = weight.shape
+    codes = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(out_features, in_features // Q8_0_GROUP)
+    for start in range(0, out_features, _CHUNK_ROWS):
+        w = weight[start : start + _CHUNK_ROWS].detach().float()
+        w = w.view(w.shape[0], -1, Q8_0_GROUP)
+        s = (w.abs().amax(dim=-1) / 127).half().float()  # the kernel stores fp16 scales
+        q = torch.round(w / s.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
+        codes[start : start + _CHUNK_ROWS] = q.clamp(-127, 127).view(w.shape[0], in_features)
+        scale[start : start + _CHUNK_ROWS] = s
+    return codes, scale
+
+
+class Q8_0Exact:
+    """GGUF Q8_0 weights for any row count through the native kernel (``group_native``), each
+    row computed on its own (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, stored: Groups | None = None) -> None:
+        self.native = _native_library("q8_0")
+        self.out_features = weight.shape[0]
+        if weight.shape[1] % Q8_0_GROUP:
+            raise ValueError(
+                f"q8_0 needs input features divisible by {Q8_0_GROUP}, got {weight.shape[1]}"
+            )
+        codes, scale = quantize_weight_q8_0(weight) if stored is None else stored[:2]
+        self.packed = group_native.pack_q8_0(torch.as_tensor(codes), torch.as_tensor(scale))
+        self.nbytes = self.packed.numel()
+
+    def dense(self) -> torch.Tensor:
+        return group_native.unpack_q8_0(self.packed, self.out_features)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = group_native.linear(self.native, self.packed, self.out_features, x, bias)
         return y.to(x.dtype)
 
 
@@ -351,7 +403,7 @@ class Int4Draft:
     """int4 weight-only for a few rows (the native kernel, else torch's), int8-dynamic beyond
     (module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, stored: Int4Groups | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, stored: Groups | None = None) -> None:
         _int4_group(weight.shape[1])
         self.native = native.library()
         if self.native is not None:
@@ -371,64 +423,69 @@ class Int4Draft:
         return self.few_rows(x, bias)
 
 
-KERNELS = {"int8": Int8RowScaled, "int8-dynamic": Int8Dynamic, "int4": Int4Draft}
+KERNELS = {
+    "int8": Int8RowScaled, "int8-dynamic": Int8Dynamic, "int4": Int4Draft, "q8_0": Q8_0Exact,
+}  # fmt: skip
 # A target's int4 computes every row alone; a draft's switches to an int8 copy for many rows.
 TARGET_KERNELS = {**KERNELS, "int4": Int4Exact}
+# The code bits of the stored groups each scheme runs as they are.
+STORED_BITS = {"int4": 4, "q8_0": 8}
 
 
 def quantize_model(
     model: nn.Module,
     scheme: str,
     role: str = "target",
-    stored_int4: StoredInt4 | None = None,
+    stored: Stored | None = None,
 ) -> int:
     """Convert every `Linear` of `model` (CPU, plain weights) to `scheme` as the model's role
     ("target" or "draft") takes it; returns how many.
 
-    For "int4", ``stored_int4`` gives the 4-bit groups a checkpoint already holds (a GGUF file's
-    4-bit blocks) by checkpoint weight name, and the model follows the file as llama.cpp does: a
-    layer whose every source weight is stored in 4 bits keeps those codes rather than rounding
-    its float weight onto a new grid; in a target, a layer the file stores in more bits (Q6_K,
-    Q8_0: a Q4_K_M file's lm_head, half its v and down projections) runs as int8 (row-scaled,
-    so rows stay exact), in a draft as int4 all the same (its format only moves acceptance)."""
+    For "int4" and "q8_0", ``stored`` gives the groups a checkpoint already holds (a GGUF file's
+    blocks) by checkpoint weight name, and the model follows the file as llama.cpp does: a layer
+    whose every source weight is stored in the scheme's code width keeps those codes rather than
+    rounding its float weight onto a new grid. An int4 target runs a layer the file stores in
+    more bits (Q6_K, Q8_0: a Q4_K_M file's lm_head, half its v and down projections) as q8_0,
+    keeping Q8_0 codes; an int4 draft runs it as int4 all the same (its format only moves
+    acceptance)."""
     if scheme == "none":
         return 0
     kernels = TARGET_KERNELS if role == "target" else KERNELS
     if scheme not in kernels:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {sorted(kernels)}")
-    kernel = kernels[scheme]
     count, kept = 0, 0
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            if module.kernel is not None or module.weight.device.type != "cpu":
-                raise ValueError("quantize_model needs plain CPU weights (quantize before packing)")
-            if scheme == "int4" and stored_int4 is not None:
-                stored = _stored_groups(module.weight, checkpoint_sources(name), stored_int4)
-                if stored is not None:
-                    module.set_kernel(kernel(module.weight, stored))
-                    kept += 1
-                elif role == "target":
-                    module.set_kernel(Int8RowScaled(module.weight))
-                else:
-                    module.set_kernel(kernel(module.weight))
-            else:
-                module.set_kernel(kernel(module.weight))
-            count += 1
-    if stored_int4 is not None and scheme == "int4":
-        logger.info("int4 %s: %d of %d layers keep the file's 4-bit codes", role, kept, count)
+        if not isinstance(module, Linear):
+            continue
+        if module.kernel is not None or module.weight.device.type != "cpu":
+            raise ValueError("quantize_model needs plain CPU weights (quantize before packing)")
+        kernel, found = kernels[scheme], None
+        if stored is not None and scheme in STORED_BITS:
+            found = _stored_groups(module.weight, checkpoint_sources(name), stored)
+            if scheme == "int4" and role == "target" and (found is None or found[0] != 4):
+                kernel = Q8_0Exact  # a layer the file holds in more bits than 4
+        bits = 4 if kernel in (Int4Exact, Int4Draft) else 8
+        groups = found[1] if found is not None and found[0] == bits else None
+        module.set_kernel(
+            kernel(module.weight, groups) if groups is not None else kernel(module.weight)
+        )
+        kept += groups is not None
+        count += 1
+    if stored is not None and scheme in STORED_BITS:
+        logger.info("%s %s: %d of %d layers keep the file's codes", scheme, role, kept, count)
     return count
 
 
 def _stored_groups(
-    weight: torch.Tensor, sources: list[str], stored_int4: StoredInt4
-) -> Int4Groups | None:
-    """The stored 4-bit groups of a (possibly fused) weight, rows stacked in checkpoint order;
-    None where a source is not stored in 4 bits or the groups do not give back the loaded
-    weight (a checkpoint changed since its conversion)."""
-    parts = [stored_int4(source) for source in sources]
-    if any(part is None for part in parts):
+    weight: torch.Tensor, sources: list[str], stored: Stored
+) -> tuple[int, Groups] | None:
+    """The code bits and stored groups of a (possibly fused) weight, rows stacked in checkpoint
+    order; None where a source is not stored in groups, the sources differ in code width, or the
+    groups do not give back the loaded weight (a checkpoint changed since its conversion)."""
+    parts = [stored(source) for source in sources]
+    if any(part is None for part in parts) or len({part.bits for part in parts}) != 1:
         return None
-    codes, scale, base = (torch.cat([torch.as_tensor(p[i]) for p in parts]) for i in range(3))
+    codes, scale, base = (torch.cat([torch.as_tensor(p[i]) for p in parts]) for i in (1, 2, 3))
     if codes.shape != weight.shape:
         return None
     # The loaded weight is these groups expanded (in the model's dtype): check the first rows.
@@ -436,8 +493,6 @@ def _stored_groups(
     expanded = codes[:rows].float().view(rows, -1, INT4_GROUP) * scale[:rows, :, None]
     expanded = (expanded + base[:rows, :, None]).view(rows, -1).to(weight.dtype)
     if not torch.equal(expanded, weight[:rows]):
-        logger.warning(
-            "stored 4-bit groups of %s differ from the loaded weight; requantizing", sources
-        )
+        logger.warning("stored groups of %s differ from the loaded weight; requantizing", sources)
         return None
-    return codes, scale, base
+    return parts[0].bits, (codes, scale, base)

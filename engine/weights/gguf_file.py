@@ -20,8 +20,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, TokenType
 from gguf.quants import dequantize
 from specdec.engine.errors import CorruptModelFileError, ModelNotFoundError
+from specdec.engine.weights.gguf_blocks import GROUP_TYPES, StoredGroups, read_groups
 from specdec.engine.weights.gguf_config import ArchSpec, arch_spec, build_hf_config
-from specdec.engine.weights.gguf_int4 import INT4_TYPES, Int4Groups, int4_groups
 
 logger = logging.getLogger(__name__)
 
@@ -216,25 +216,26 @@ class GGUFModel:
             ) from exc
         return out.reshape(shape)
 
-    def stored_int4(self, hf_name: str) -> Int4Groups | None:
-        """The file's own 4-bit groups of weight ``hf_name`` (codes, scale, base as
-        ``gguf_int4.int4_groups`` gives them), or None where it is not stored in a 4-bit type."""
+    def stored_groups(self, hf_name: str) -> StoredGroups | None:
+        """The file's own groups of weight ``hf_name`` (as ``gguf_blocks.read_groups`` gives
+        them), or None where it is not stored in a type of 32-weight groups."""
         gguf_name = self._gguf_names.get(hf_name)
         tensor = self.tensors.get(gguf_name) if gguf_name else None
-        if tensor is None or tensor.tensor_type not in INT4_TYPES or len(tensor.shape) != 2:
+        if tensor is None or tensor.tensor_type not in GROUP_TYPES or len(tensor.shape) != 2:
             return None
         raw = np.empty(tensor.n_bytes, dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(tensor.data_offset)
             if f.readinto(memoryview(raw)) != tensor.n_bytes:
                 raise _damaged(self.path, f"tensor {tensor.name} is cut short")
-        groups = int4_groups(raw, tensor.tensor_type, tensor.shape)
+        groups = read_groups(raw, tensor.tensor_type, tensor.shape)
         part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
         if self.spec.permute_qk and part in ("attn_q", "attn_k"):
             heads = self.meta(f"{self.architecture}.attention.head_count")
             if part == "attn_k":
                 heads = self.meta(f"{self.architecture}.attention.head_count_kv", heads)
-            groups = tuple(unpermute_qk(array, int(heads)) for array in groups)
+            arrays = (unpermute_qk(array, int(heads)) for array in groups[1:])
+            groups = StoredGroups(groups.bits, *arrays)
         return groups
 
     @functools.cached_property

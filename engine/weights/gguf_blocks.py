@@ -1,30 +1,42 @@
-"""GGUF's 4-bit block types read as int4 groups: codes, and a scale and base per 32 weights.
+"""GGUF block types read as groups of 32 weights: codes, and a scale and base per group.
 
 llama.cpp's 4-bit formats all store weights as ``scale * code + base`` with 4-bit codes in groups
-of 32 along the input, which is the layout of this engine's int4 kernel (``int4_native``):
+of 32 along the input, which is the layout of this engine's int4 kernel, and Q8_0 stores signed
+8-bit codes with one scale per 32, the layout of its q8_0 kernel (both ``group_native``):
 
 - Q4_0 (18-byte blocks of 32): fp16 ``d``; ``w = d * (q - 8)``.
 - Q4_1 (20-byte blocks of 32): fp16 ``d`` and ``m``; ``w = d * q + m``.
 - Q4_K (144-byte super-blocks of 256 = 8 groups of 32): fp16 ``d`` and ``dmin``, twelve bytes of
   6-bit group scales ``sc`` and mins ``mn``; ``w = d * sc * q - dmin * mn``.
+- Q8_0 (34-byte blocks of 32): fp16 ``d`` and 32 signed 8-bit ``q``; ``w = d * q`` (base 0).
 
-So an int4 target loaded from such a file can keep the file's own codes instead of expanding
-them to floats and rounding them onto a second 4-bit grid. The scale and base of each group
+So an int4 or q8_0 target loaded from such a file can keep the file's own codes instead of
+expanding them to floats and rounding them onto a second grid. The scale and base of each group
 come out exactly in float32 (an fp16 value times a 6-bit integer fits float32's mantissa), and
 ``scale * code + base`` equals what ``gguf.quants.dequantize`` returns.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
 GROUP = 32
-INT4_TYPES = frozenset(
-    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
-)
 
-Int4Groups = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [out, in] uint8, scale, base
+
+class StoredGroups(NamedTuple):
+    """Weights ``w = scale * code + base`` in groups of 32 along the input: codes [out, in]
+    (0..15 with ``bits`` 4, -128..127 with 8), scale and base [out, in / 32] (float32)."""
+
+    bits: int
+    codes: np.ndarray
+    scale: np.ndarray
+    base: np.ndarray
+
+
+Groups = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes, scale, base of a run of blocks
 
 
 def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -38,12 +50,12 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
 
 
-def _q4_0(blocks: np.ndarray) -> Int4Groups:
+def _q4_0(blocks: np.ndarray) -> Groups:
     d = _fp16(blocks, 0)
     return _nibbles(blocks[:, 2:18]), d, -8 * d
 
 
-def _q4_1(blocks: np.ndarray) -> Int4Groups:
+def _q4_1(blocks: np.ndarray) -> Groups:
     return _nibbles(blocks[:, 4:20]), _fp16(blocks, 0), _fp16(blocks, 2)
 
 
@@ -59,7 +71,7 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales.astype(np.float32), mins.astype(np.float32)
 
 
-def _q4_k(blocks: np.ndarray) -> Int4Groups:
+def _q4_k(blocks: np.ndarray) -> Groups:
     d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
     scales, mins = _q4_k_scales(blocks[:, 4:16])
     # Four runs of 32 bytes; run r holds group 2r in its low nibbles and group 2r + 1 in its high.
@@ -68,21 +80,29 @@ def _q4_k(blocks: np.ndarray) -> Int4Groups:
     return codes, d * scales, -(dmin * mins)
 
 
+def _q8_0(blocks: np.ndarray) -> Groups:
+    d = _fp16(blocks, 0)
+    return blocks[:, 2:34].view(np.int8), d, np.zeros_like(d)
+
+
+# type -> (bytes of a block, weights of a block, code bits, decoder)
 _DECODERS = {
-    GGMLQuantizationType.Q4_0: (18, GROUP, _q4_0),
-    GGMLQuantizationType.Q4_1: (20, GROUP, _q4_1),
-    GGMLQuantizationType.Q4_K: (144, 8 * GROUP, _q4_k),
+    GGMLQuantizationType.Q4_0: (18, GROUP, 4, _q4_0),
+    GGMLQuantizationType.Q4_1: (20, GROUP, 4, _q4_1),
+    GGMLQuantizationType.Q4_K: (144, 8 * GROUP, 4, _q4_k),
+    GGMLQuantizationType.Q8_0: (34, GROUP, 8, _q8_0),
 }
+GROUP_TYPES = frozenset(_DECODERS)
 
 
-def int4_groups(
+def read_groups(
     raw: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[int, int]
-) -> Int4Groups:
-    """Codes [out, in] (uint8, 0..15), scale and base [out, in / 32] (float32) of a 2-D tensor
-    stored in a GGUF 4-bit type, from its raw bytes; ``w = scale * code + base`` per group."""
+) -> StoredGroups:
+    """The groups of a 2-D tensor stored in a GGUF type of ``GROUP_TYPES``, from its raw
+    bytes."""
     if tensor_type not in _DECODERS:
-        raise ValueError(f"{tensor_type.name} is not a 4-bit GGUF type with 32-weight groups")
-    block_bytes, block_len, decode = _DECODERS[tensor_type]
+        raise ValueError(f"{tensor_type.name} is not a GGUF type with 32-weight groups")
+    block_bytes, block_len, bits, decode = _DECODERS[tensor_type]
     out_features, in_features = shape
     if in_features % block_len or raw.size != out_features * in_features // block_len * block_bytes:
         raise ValueError(
@@ -91,7 +111,8 @@ def int4_groups(
         )
     codes, scale, base = decode(raw.reshape(-1, block_bytes))
     groups = in_features // GROUP
-    return (
+    return StoredGroups(
+        bits,
         codes.reshape(out_features, in_features),
         scale.reshape(out_features, groups),
         base.reshape(out_features, groups),
