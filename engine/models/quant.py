@@ -328,8 +328,8 @@ def _native_library(scheme: str) -> ctypes.CDLL:
     lib = native.library()
     if lib is None:
         raise ValueError(
-            f"{scheme} target weights need the native kernels: an x86 CPU with AVX-512 VNNI and "
-            "a C compiler (docs/formats.md)"
+            f"{scheme} weights need the native kernels: an x86 CPU with AVX-512 VNNI and a C "
+            "compiler (docs/formats.md)"
         )
     return lib
 
