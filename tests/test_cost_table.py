@@ -73,6 +73,29 @@ def test_with_trees_the_table_times_tree_verifies_and_wide_draft_levels():
     assert {(4, 4), (4, 8)} <= trees["draft"]
 
 
+def test_tree_shapes_are_timed_after_every_chain_shape():
+    # A budget stops at the first shape it cannot afford, so what it cuts is the end of the list:
+    # chains' shapes, the long-context decodes (the attention term) and the draft's catch-ups come
+    # first, and only trees lose shapes when time runs short.
+    engine = _engine()
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
+
+    def timed(tree_nodes: int) -> dict[str, list[tuple[int, int, int]]]:
+        spec = CalibrationSpec(4, 3, max_rows=128, max_context=256, budget_seconds=60.0,
+                               repeats=1, tree_nodes=tree_nodes)  # fmt: skip
+        ticks = iter(range(1, 10**9))
+        args = (engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+        table = measure(*args, clock=lambda: next(ticks) * 1e-3)
+        return {m: [(s.seqs, s.rows, s.attended) for s in table.samples if s.model == m]
+                for m in ("target", "draft")}  # fmt: skip
+
+    chains, trees = timed(0), timed(16)
+    for model in ("target", "draft"):
+        assert len(trees[model]) > len(chains[model])
+        assert trees[model][: len(chains[model])] == chains[model]
+    assert any(seqs == 1 and attended > 200 for seqs, _, attended in chains["target"])
+
+
 def test_table_is_cached_per_machine_and_spec(tmp_path):
     engine = _engine()
     spec = CalibrationSpec(max_num_seqs=2, k_max=2, max_rows=16, budget_seconds=2.0, repeats=1)
