@@ -12,6 +12,13 @@ logits are bit for bit those of plain decode. Longer runs (prompt chunks) take o
 Every call passes 4-D tensors, which selects torch's fused CPU attention kernel (the 3-D form
 falls back to unfused matrix products: several times slower at a few hundred keys and over ten
 times at two thousand).
+
+Where the native kernels build (``engine/models/native.py``) and the pool holds float32 or bf16,
+all of a step's row-by-row rows go to one native call per layer instead (``paged_attention.c``):
+the same computation, each row alone over its ordered keys, read from the pages in place. At one
+row and a few hundred keys the torch calls' fixed overhead (two gathers, the dtype view, SDPA)
+was most of a layer's attention time. Either way every such row goes through the same routine,
+so verified and tree rows stay bit for bit plain decode's.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from specdec.engine.attention.base import (
 )
 from specdec.engine.attention.kv_format import decode
 from specdec.engine.config import MAX_SPECULATIVE_TOKENS
+from specdec.engine.models import native
 
 # Sequences with at most this many new rows are computed row by row (module docstring): every
 # verify of a chain fits, and a prompt's short last chunk costs a few calls more.
@@ -45,8 +53,55 @@ class _SeqPlan:
     row_keys: list[torch.Tensor] | None = None
 
 
+@dataclass
+class _NativeRows:
+    """A step's row-by-row rows as the native kernel takes them (``paged_attention.c``)."""
+
+    pages: torch.Tensor  # int64: every such sequence's block ids, one after another
+    row: torch.Tensor  # int32 [R]: the row's index in q and out
+    page_start: torch.Tensor  # int32 [R]: where its sequence's block ids start in `pages`
+    key_start: torch.Tensor  # int32 [R + 1]: its key positions are keys[key_start[r]:...[r + 1]]
+    keys: torch.Tensor  # int32: key positions within the row's sequence, in order
+
+
+@dataclass
+class _StepPlan:
+    seqs: list[_SeqPlan]  # the sequences the torch calls compute
+    native: _NativeRows | None  # the rows the native kernel computes
+
+
+def _native_rows(seqs: list[_SeqPlan]) -> _NativeRows:
+    pages, rows, page_start, key_start, keys = [], [], [], [0], []
+    at = 0
+    for sp in seqs:
+        pages.append(sp.pages)
+        first = sp.kv_len - sp.q_len
+        for r in range(sp.q_len):
+            seen = sp.row_keys[r] if sp.row_keys is not None else torch.arange(first + r + 1)
+            rows.append(sp.q_start + r)
+            page_start.append(at)
+            keys.append(seen.to(torch.int32))
+            key_start.append(key_start[-1] + len(seen))
+        at += len(sp.pages)
+    i32 = torch.int32
+    return _NativeRows(
+        torch.cat(pages) if pages else torch.empty(0, dtype=torch.int64),
+        torch.tensor(rows, dtype=i32),
+        torch.tensor(page_start, dtype=i32),
+        torch.tensor(key_start, dtype=i32),
+        torch.cat(keys) if keys else torch.empty(0, dtype=i32),
+    )
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        super().__init__(num_heads, num_kv_heads, head_dim, device)
+        # The kernel's head_dim: whole 16-lane vectors, at most 256 (MAX_VECTORS).
+        fits = head_dim % 16 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+        use_native = device.type == "cpu" and fits
+        self.native = native.library() if use_native else None
 
     def plan(self, meta: AttentionMetadata) -> None:
         seq_plans: list[_SeqPlan] = []
@@ -68,13 +123,26 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = sequence_mask(q_len, kv_len, None, self.device).repeat(group, 1)
             seq_plans.append(_SeqPlan(start, q_len, kv_len, pages, mask, row_keys))
             start += q_len
-        meta.plan = seq_plans
+        by_rows = [sp for sp in seq_plans if sp.mask is None]
+        native_rows = _native_rows(by_rows) if self.native is not None and by_rows else None
+        meta.plan = _StepPlan(seq_plans, native_rows)
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         hkv, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        for sp in meta.plan:  # type: ignore[union-attr]
+        step: _StepPlan = meta.plan  # type: ignore[assignment]
+        # A pool in another format (int8, fp8) is decoded by the torch calls.
+        natively = (
+            step.native is not None
+            and k_cache.dtype == q.dtype
+            and q.dtype in (torch.float32, torch.bfloat16)
+        )
+        if natively:
+            self._native_call(q.contiguous(), k_cache, v_cache, step.native, out)
+        for sp in step.seqs:
+            if natively and sp.mask is None:
+                continue
             if sp.row_keys is not None:
                 self._tree_rows(q, k_cache, v_cache, sp, out)
                 continue
@@ -102,6 +170,18 @@ class TorchAttentionBackend(AttentionBackend):
             o = o.view(hkv, group, sp.q_len, dim).permute(2, 0, 1, 3)
             out[sp.q_start : sp.q_start + sp.q_len] = o.reshape(sp.q_len, -1, dim)
         return out
+
+    def _native_call(self, q, k_cache, v_cache, rows: _NativeRows, out: torch.Tensor) -> None:
+        """Every row-by-row row of the step in one native call (module docstring)."""
+        status = self.native.paged_attention_rows(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+            self.num_kv_heads, self.num_heads, self.head_dim, rows.pages.data_ptr(),
+            rows.row.data_ptr(), rows.page_start.data_ptr(), rows.key_start.data_ptr(),
+            rows.keys.data_ptr(), len(rows.row), self.scale, int(q.dtype == torch.bfloat16),
+            out.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the native attention kernel could not allocate its scratch")
 
     def _tree_rows(self, q, k_cache, v_cache, sp: _SeqPlan, out: torch.Tensor) -> None:
         """A tree's rows one by one, each over its visible keys as one contiguous run."""

@@ -1,4 +1,5 @@
-"""The engine's native CPU kernels (``group_matmul.c``, ``elementwise.c``, ``int8_rows.c``):
+"""The engine's native CPU kernels (``group_matmul.c``, ``elementwise.c``, ``int8_rows.c``, and
+``paged_attention.c`` beside the attention backends):
 compiled into one shared library on first use with the system's C compiler, loaded with ctypes,
 used where the CPU has AVX-512 VNNI. The element-wise ops serve quantized models
 (``native_elementwise``): their rounding is not the torch layers', which an unquantized target
@@ -34,7 +35,12 @@ from specdec.engine.weights.cache import specdec_home
 
 SWITCH_ENV = "SPECDEC_NATIVE_KERNELS"
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "group_matmul.c", _HERE / "elementwise.c", _HERE / "int8_rows.c")
+_SOURCES = (
+    _HERE / "group_matmul.c",
+    _HERE / "elementwise.c",
+    _HERE / "int8_rows.c",
+    _HERE.parent / "attention" / "paged_attention.c",
+)
 _HEADERS = (_HERE / "simd16.h",)
 # -ffp-contract=off: no multiply-add fused behind the sources' back, so int8_rows.c's arithmetic
 # is the IEEE operations it spells out.
@@ -62,6 +68,12 @@ _SIGNATURES = {
     "int8_row_codes": ([_P, _I, _I, _I, _F, _P, _P, _P], None),
     # (w_codes, rows, n, lo, step, row_sums, bias or NULL, bf16, y)
     "int8_row_output": ([_P, _I, _I, _P, _P, _P, _P, _I, _P], None),
+    # (q, k_cache, v_cache, page_size, kv_heads, heads, dim, pages, row, page_start, key_start,
+    #  keys, rows, scale, bf16, out) -> 0, or -1 without memory
+    "paged_attention_rows": (
+        [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _F, _I, _P],
+        ctypes.c_int,
+    ),
 }
 
 
@@ -87,7 +99,7 @@ def _build(compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         subprocess.run(
-            [compiler, *_FLAGS, "-shared", *map(str, _SOURCES), "-o", str(built)],
+            [compiler, *_FLAGS, f"-I{_HERE}", "-shared", *map(str, _SOURCES), "-o", str(built)],
             check=True,
             capture_output=True,
             text=True,
