@@ -112,8 +112,13 @@ def forward_code_digest(root: Path = _ENGINE_DIR) -> str:
     the weight formats and the attention backends. Timings measured with other code are not this
     code's."""
     digest = hashlib.sha256()
-    sources = [path for kind in ("*.py", "*.c", "*.h") for path in (root / "models").glob(kind)]
-    for path in sorted([*sources, *(root / "attention").glob("*.py")]):
+    sources = [
+        path
+        for folder in ("models", "attention")
+        for kind in ("*.py", "*.c", "*.h")
+        for path in (root / folder).glob(kind)
+    ]
+    for path in sorted(sources):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -134,5 +134,8 @@ def test_the_cache_key_follows_the_forward_code(tmp_path):
     assert forward_code_digest(tmp_path) == before
     (tmp_path / "attention" / "a.py").write_text("x = 2\n")
     assert forward_code_digest(tmp_path) != before
+    after_python = forward_code_digest(tmp_path)
+    (tmp_path / "attention" / "kernel.c").write_text("int f(void) { return 0; }\n")  # native
+    assert forward_code_digest(tmp_path) != after_python
     machine = machine_description(torch.device("cpu"), torch.float32, ["t"])
     assert machine["forward_code"] == forward_code_digest()
