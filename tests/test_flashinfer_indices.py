@@ -96,7 +96,7 @@ def check_indices(page_size: int, q_lens: list[int], kv_lens: list[int], seed: i
     ref.plan(meta)
     kvp, last = ix["paged_kv_indptr"].tolist(), ix["paged_kv_last_page_len"].tolist()
     slots = []
-    for i, sp in enumerate(meta.plan):
+    for i, sp in enumerate(meta.plan.seqs):
         assert ix["qo_indptr"][i] == sp.q_start
         pages = ix["paged_kv_indices"][kvp[i] : kvp[i + 1]].tolist()
         assert pages == sp.pages.tolist()
