@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-dir", type=Path, required=True)
     ap.add_argument(
         "--arms",
-        default="bfloat16:none,bfloat16:int8,bfloat16:int4",
+        default="bfloat16:none,bfloat16:int8,bfloat16:q8_0,bfloat16:int4",
         help="DTYPE:QUANTIZATION[:torch-layers|:native-layers], comma-separated (the fp32 "
         "reference is implied)",
     )
