@@ -1,7 +1,7 @@
 """How far a target in a lower-precision format is from the fp32 model, position by position.
 
     python -m specdec.evals.formats.target_quality --output-dir docs/results/formats \
-        --arms bfloat16:none,bfloat16:int8,bfloat16:int4
+        --arms bfloat16:none,bfloat16:int8,bfloat16:q8_0,bfloat16:int4
 
 Every arm (``DTYPE:QUANTIZATION``, the target alone, no draft) reads the held-out text
 (`evals/data/heldout/`) in prompt-sized forwards, as does the fp32 reference first. At every
