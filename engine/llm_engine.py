@@ -666,7 +666,7 @@ def _target_shape(plan: StepPlan) -> ForwardShape:
     for s in plan.scheduled:
         q = s.num_query_tokens
         attended += q * (s.seq.num_computed_tokens + q)
-        if s.completes_prompt and not s.seq.params.greedy:
+        if s.completes_prompt and s.seq.params.warped:
             sampled += 1 + s.num_spec_tokens
     return ForwardShape(plan.num_batched_tokens, len(plan.scheduled), attended, sampled)
 

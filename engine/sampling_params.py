@@ -151,6 +151,13 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def warped(self) -> bool:
+        """Whether the request's tokens are drawn from a full warped distribution: the sampling
+        work a step pays per row of it, which the step-cost model prices (greedy rows take an
+        argmax)."""
+        return not self.greedy
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.presence_penalty != 0

@@ -7,7 +7,8 @@ substitutions:
 - the model forwards: ``TraceTargetRunner`` and ``TraceDraftRunner`` stand in for the engine's two
   ``ModelRunner``s. Token ids live in a small local vocabulary (``LOCAL_VOCAB``); the target's
   logits are one-hot at the recorded path token, and every request runs greedy, so the target
-  commits exactly the recorded path. The draft proposes the path token where the trace says its
+  commits exactly the recorded path (``RecordedPathParams``: the policy and the step shapes the
+  engine measures still see a temperature-1 request's rows as sampled). The draft proposes the path token where the trace says its
   proposal is accepted (``ReplayRequest.accept``) and a different token otherwise, with logits
   shaped so that its probability of the proposed token is the recorded top-1 probability (what a
   draft stop rule reads as confidence);
@@ -438,7 +439,12 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
     tokens = 0
 
     def submit(req: ReplayRequest, now: float) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=len(req.path), ignore_eos=True)
+        params = RecordedPathParams(
+            temperature=0.0,
+            max_tokens=len(req.path),
+            ignore_eos=True,
+            recorded_temperature=req.temperature,
+        )
         engine.add_request(req.request_id, req.prompt, params, arrival_time=now)
         arrivals[req.request_id] = now
 
@@ -488,6 +494,19 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
     return result, engine
 
 
+@dataclass(frozen=True)
+class RecordedPathParams(SamplingParams):
+    """A replayed request's parameters: the engine picks its tokens greedily (the harness has drawn
+    them, ``replay_request``), while every cost the engine measures or prices treats its rows as
+    drawn at the recorded temperature, as the live engine would."""
+
+    recorded_temperature: float = 0.0
+
+    @property
+    def warped(self) -> bool:
+        return self.recorded_temperature > 0
+
+
 # ---- policies -------------------------------------------------------------------------------
 class OraclePolicy:
     """The best per-step choice in hindsight.
@@ -521,7 +540,7 @@ class OraclePolicy:
         rows, n = self._prefill
         entries = [(1 + k, s.num_tokens - 1) for s, k in zip(seqs, ks, strict=True)]
         entries += [(rows // n, 0)] * n if n else []
-        greedy = [s.params.greedy or self._temperature(s) == 0 for s in seqs]
+        greedy = [not s.params.warped for s in seqs]
         by_temperature = [0, n]  # prefills priced as sampled rows: their temperature is unknown
         for g, k in zip(greedy, ks, strict=True):
             by_temperature[not g] += 1 + k
@@ -545,10 +564,6 @@ class OraclePolicy:
             t += self.costs.sampling_seconds(drafting_greedy, 0.0)
             t += self.costs.sampling_seconds(len(d) - drafting_greedy, 1.0)
         return t
-
-    def _temperature(self, seq) -> float:
-        req = self.book.get(seq.request_id)
-        return req.temperature if req is not None else 1.0
 
     def decide(self, seqs, prefill: PrefillShape) -> SpecDecision:
         self._prefill = (prefill.rows, prefill.seqs)

@@ -247,7 +247,7 @@ def _shape(entries: list[RunEntry]) -> ForwardShape:
     """Rows, sequences, attended (query, key) pairs and sampled rows of one forward."""
     rows = sum(len(e.token_ids) for e in entries)
     attended = sum(len(e.token_ids) * (e.start_pos + len(e.token_ids)) for e in entries)
-    sampled = sum(e.num_logits for e in entries if not e.seq.params.greedy)
+    sampled = sum(e.num_logits for e in entries if e.seq.params.warped)
     return ForwardShape(rows, len(entries), attended, sampled)
 
 

@@ -91,6 +91,39 @@ def test_replay_calls_the_plugged_in_policy_and_drafts_its_ks():
     assert engine.proposer.runner.num_forwards > 0
 
 
+class ShapeRecordingPolicy(FixedPolicy):
+    """Fixed k that keeps what it is shown: each sequence's cost class and each measured step."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.warped: list[bool] = []
+        self.steps = []
+
+    def decide(self, seqs, prefill):
+        self.warped += [s.params.warped for s in seqs]
+        return super().decide(seqs, prefill)
+
+    def observe(self, obs) -> None:
+        self.steps.append(obs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_sampled_requests_rows_are_priced_and_observed_as_sampled(temperature):
+    # The engine picks a replayed request's tokens greedily (the harness drew them), but the
+    # policy must see what the live engine would: at T=1 every target and draft row is sampled.
+    ctl = ShapeRecordingPolicy(2)
+    req = _one_request(MATCHES, temperature)
+    result, _ = run_policy(Workload([req], 1), Policy("rec", lambda e: ctl), COSTS, SHAPE)
+    assert result.tokens == len(MATCHES)  # still the recorded path
+    assert ctl.warped and all(w == (temperature > 0) for w in ctl.warped)
+    decodes = [o for o in ctl.steps if o.draft_forwards]
+    assert decodes
+    for obs in decodes:
+        sampled = temperature > 0
+        assert obs.target.sampled == (obs.target.rows if sampled else 0)
+        assert all(f.sampled == (f.seqs if sampled else 0) for f in obs.draft_forwards)
+
+
 def test_adaptive_is_the_engines_own_policy_calibrated_on_simulated_time():
     from specdec.controller import AdaptivePolicy
 

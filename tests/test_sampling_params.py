@@ -116,3 +116,14 @@ def test_accepted_extremes_give_finite_distributions(engine, kwargs):
     # An overflowed distribution samples token 0 at every step.
     assert set(out.output_token_ids) != {0}
     assert engine.allocator.num_free_blocks == free
+
+
+@pytest.mark.parametrize(
+    "kwargs, greedy",
+    [({"temperature": 0.0}, True), ({"temperature": 1.0, "top_k": 1}, True),
+     ({"temperature": 0.7}, False), ({"temperature": 1.0, "top_p": 0.9}, False)],
+)  # fmt: skip
+def test_warped_rows_are_exactly_the_non_greedy_ones(kwargs, greedy):
+    params = SamplingParams(**kwargs)
+    assert params.greedy is greedy
+    assert params.warped is not greedy

@@ -444,7 +444,7 @@ def _target_shape_of(
 
 def _sampled(seq: Sequence) -> int:
     """1 when the sequence's tokens are drawn from a warped distribution, 0 for greedy."""
-    return 0 if seq.params.greedy else 1
+    return 1 if seq.params.warped else 0
 
 
 def _draft_forwards(groups: Seq[tuple[int, Seq[int], int, int, int]]) -> list[ForwardShape]:
