@@ -27,6 +27,7 @@ from specdec.engine.config import EngineConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.sampling_params import SamplingParams
 from specdec.evals.datasets import load_categories, prompt_token_ids
+from specdec.evals.formats.measure import decode_rate
 
 from specdec.controller.policy import FixedPolicy
 
@@ -40,12 +41,6 @@ def peak_rss_gib() -> float:
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def decode_rate(out) -> float:
-    """Tokens after the first per second of decode (prefill excluded)."""
-    n = len(out.output_token_ids)
-    return (n - 1) / (out.finish_time - out.first_token_time)
 
 
 def bench_engine(engine: LLMEngine, hf, prompts: list[list[int]], n: int) -> dict:
