@@ -52,7 +52,7 @@ from specdec.engine.scheduler import Scheduler, StepPlan
 from specdec.engine.sequence import Sequence, SequenceStatus, SpecStats
 from specdec.engine.tree_commit import (
     TreePath,
-    move_accepted_kv,
+    commit_tree_kv,
     tree_row_contexts,
     tree_verify_entry,
 )
@@ -492,9 +492,12 @@ class LLMEngine:
         if sampling:
             accepted, paths = self._sample(sampling, proposals, logits)
         kv = getattr(self.target_runner, "kv", None)
+        draft_kv = getattr(getattr(self.proposer, "runner", None), "kv", None)
         for s in plan.scheduled:
-            if s.seq.seq_id in paths and kv is not None:
-                move_accepted_kv(kv, s.seq, paths[s.seq.seq_id].nodes, self.config.page_size)
+            path = paths.get(s.seq.seq_id)
+            if path is not None:
+                fed = proposals[s.seq.seq_id].tree_fed
+                commit_tree_kv(s.seq, path.nodes, fed, self.config.page_size, kv, draft_kv)
 
         outputs = []
         for s in plan.scheduled:

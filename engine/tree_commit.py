@@ -7,8 +7,8 @@ target); node j is verified at scratch slot position ``T + j`` with rotary posit
 from ``T + a_d`` to ``T + d - 1``, where a chain's would have been written; ``a_d >= d - 1``, so
 every move reads a slot at or after the one it writes. Rejected nodes' slots lie past the
 committed tokens: never counted as computed, truncated with the rest of the scratch blocks, so
-never hashed into the prefix cache. The draft keeps none of the tree's K/V (its next catch-up
-reads the committed tokens).
+never hashed into the prefix cache. The draft's K/V of the accepted nodes it fed (every level but
+the last it grew) moves the same way in the draft's pool, and counts as computed by the draft.
 """
 
 from __future__ import annotations
@@ -78,3 +78,26 @@ def move_accepted_kv(kv: ModelKV, seq: Sequence, nodes: list[int], page_size: in
         slots_for_positions(table, [src for src, _ in moves], page_size),
         slots_for_positions(table, [dst for _, dst in moves], page_size),
     )
+
+
+def commit_tree_kv(
+    seq: Sequence,
+    nodes: list[int],
+    draft_fed: int,
+    page_size: int,
+    target_kv: ModelKV | None,
+    draft_kv: ModelKV | None,
+) -> None:
+    """Move the accepted ``nodes``' K/V into place in the target's pool and, for the leading ones
+    among the draft's first ``draft_fed`` nodes, in the draft's, which then counts them as
+    computed (call before the sequence's committed tokens grow). A pool of None (a runner
+    without one) moves nothing; the draft's count moves all the same."""
+    if target_kv is not None:
+        move_accepted_kv(target_kv, seq, nodes, page_size)
+    fed = 0
+    while fed < len(nodes) and nodes[fed] < draft_fed:
+        fed += 1
+    if fed:
+        if draft_kv is not None:
+            move_accepted_kv(draft_kv, seq, nodes[:fed], page_size)
+        seq.num_draft_computed_tokens = seq.num_tokens + fed

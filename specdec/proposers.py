@@ -28,6 +28,8 @@ class Proposal:
     probs: torch.Tensor | None
     # a token tree instead of a chain (``token_ids`` are then its nodes, breadth-first)
     tree: DraftTree | None = None
+    # a tree's first nodes (breadth-first) whose draft K/V sits at their scratch slots
+    tree_fed: int = 0
 
 
 @dataclass
@@ -119,7 +121,7 @@ class DraftModelProposer:
             for i, it in enumerate(items)
             if it.num_spec_tokens > 0 and it.spec_depth > 0
         }
-        trees: dict[int, DraftTree] = {}
+        trees: dict[int, GrowingTree] = {}
         active = [i for i, it in enumerate(items) if it.num_spec_tokens > 0 and i not in growing]
         catchup = _catchup_entries(items)
         forwards: list[ForwardShape] = []
@@ -155,7 +157,7 @@ class DraftModelProposer:
                 g.grow(logits[row : row + entry.num_logits], self.kernels)
                 row += entry.num_logits
                 if g.done:
-                    trees[i] = growing.pop(i).tree
+                    trees[i] = growing.pop(i)
             if active:
                 self._draw_chain_tokens(
                     items, active, logits[: len(active)], step, stop, tokens, probs, confidence
@@ -167,8 +169,8 @@ class DraftModelProposer:
         out = []
         for i, it in enumerate(items):
             if i in trees:
-                tree = trees[i]
-                out.append(Proposal(list(tree.tokens), None, tree=tree))
+                tree = trees[i].tree
+                out.append(Proposal(list(tree.tokens), None, tree=tree, tree_fed=trees[i].fed))
             elif not tokens[i]:
                 out.append(Proposal([], None))
             elif it.seq.params.greedy or it.seq.params.seed is not None:

@@ -6,8 +6,11 @@ node j (breadth-first) holds its scratch K/V at slot position ``T + j`` and its 
 gives the root's row; every later forward feeds the deepest level's nodes, each attending to the
 committed keys and to its own ancestors only (a ``[level, nodes so far]`` tree mask), and gives
 their rows, from which the next level is grown (`specdec.tree_drafting`). Leaves of the last level
-are never fed. The draft keeps none of the tree's K/V: after the verify its next catch-up reads the
-committed tokens again (a few rows, which a draft forward takes at almost no extra cost).
+are never fed. The nodes that were fed (``fed``: every level but the last grown) hold their draft
+K/V at their scratch slots, computed as a chain's would be at the same positions (each attends to
+the context and its ancestors, exactly the tokens before it on its path); after the verify the
+engine moves the accepted ones into place (`specdec.engine.tree_commit.commit_tree_kv`), so the
+draft's next catch-up reads only the bonus token and an accepted leaf.
 
 Children are drawn as the verifier needs (`specdec.tree_verify`): greedy requests take the draft's
 most probable tokens at temperature 1 (one-hot rows would offer one child); sampled requests,
@@ -68,6 +71,7 @@ class GrowingTree:
         self.tree = empty_tree(vocab_size, "cpu", self.sampled)
         self.done = depth < 1 or max_nodes < 1
         self._level: list[int] = []  # nodes of the deepest level, fed by the next forward
+        self.fed = 0  # the first this many nodes (breadth-first) were fed: their K/V is written
 
     def first_entry(self) -> RunEntry:
         """The catch-up up to the root; its last row is the root's."""
@@ -95,6 +99,7 @@ class GrowingTree:
         """Add the next level from the draft's rows for the frontier (the root's, or the
         deepest level's nodes', in order)."""
         frontier = self._level or [-1]
+        self.fed = frontier[-1] + 1  # these rows came from feeding the frontier's nodes
         probs = self._rows(logits, frontier, kernels)
         before = self.tree.num_nodes
         level = self.tree.max_depth  # the frontier's depth; 0 for the root

@@ -8,8 +8,11 @@ import copy
 import pytest
 import torch
 from helpers_stats import same_distribution_pvalue
+from specdec.engine.attention.base import slots_for_positions
 from specdec.engine.errors import ConfigError
+from specdec.engine.model_runner import RunEntry
 from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import Sequence
 from test_engine_greedy import expected, prompts, run_staggered
 from tiny_models import make_engine
 
@@ -224,3 +227,51 @@ def test_tree_nodes_compute_as_plain_decode_does_in_every_format(target, noisy_d
     plain = make_engine(target, dtype=dtype).generate(ps, params)
     trees = tree_engine(target, noisy_draft, nodes=16, dtype=dtype).generate(ps, params)
     assert [o.output_token_ids for o in trees] == [o.output_token_ids for o in plain]
+
+
+def _draft_kv_rows(engine, seq, positions: list[int]) -> list[torch.Tensor]:
+    """The draft pool's keys and values at ``seq``'s token positions, layer by layer."""
+    slots = torch.tensor(
+        slots_for_positions(seq.block_table, positions, engine.config.page_size), dtype=torch.long
+    )
+    out = []
+    for k_cache, v_cache in engine.proposer.runner.kv.layers:
+        for cache in (k_cache, v_cache):
+            out.append(cache.reshape(-1, *cache.shape[2:]).index_select(0, slots).float().clone())
+    return out
+
+
+def test_the_draft_keeps_the_accepted_nodes_kv_it_fed(target, noisy_draft):
+    """After a tree verify the draft's K/V of the accepted nodes it fed sits at their committed
+    positions, equal to what reading those tokens afresh writes, and counts as computed: the
+    next catch-up reads only what the draft never fed (the bonus token, an accepted leaf)."""
+    engine = tree_engine(target, noisy_draft, nodes=8, num_speculative_tokens=3)
+    free0 = engine.allocator.num_free_blocks
+    engine.add_request("r", prompts(1, seed=11)[0], SamplingParams(temperature=0, max_tokens=40))
+    seq = engine._seqs["r"]
+    kept = []
+    # Levels of 3 nodes: an accepted second level's node sits at scratch slot T + 3 or later and
+    # had to move to T + 1.
+    while engine.has_unfinished() and len(kept) < 2:
+        before = seq.num_tokens
+        steps_before = engine.spec_stats.num_tree_steps
+        engine.step()
+        if engine.spec_stats.num_tree_steps > steps_before:
+            # every committed token of this step but the bonus one is a tree node
+            assert before <= seq.num_draft_computed_tokens <= seq.num_tokens - 1
+            kept = list(range(before, seq.num_draft_computed_tokens))
+    assert len(kept) >= 2, "no tree step accepted two levels the draft had fed"
+    moved = _draft_kv_rows(engine, seq, kept)
+    # The same tokens read afresh by the draft into a sequence of their own.
+    fresh = Sequence(-1, "fresh", seq.token_ids[: kept[-1] + 1], SamplingParams(), "off")
+    engine.allocator.allocate(fresh, fresh.num_tokens)
+    try:
+        engine.proposer.runner.run([RunEntry(fresh, fresh.token_ids, 0, 1)])
+        reread = _draft_kv_rows(engine, fresh, kept)
+    finally:
+        engine.allocator.free(fresh)
+    for a, b in zip(moved, reread, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_free_blocks == free0
