@@ -53,13 +53,14 @@ HELP = {
     "kv_cache_dtype": "KV pool format: auto (the model dtype); int8 (CPU; a scale per token and "
     "head) or fp8 (= fp8_e4m3) / fp8_e5m2 (no scale): one byte per element, about twice the "
     "tokens per GiB of bf16 (docs/formats.md)",
-    "quantization": "target's linear-layer weights (CPU): int8 = int8 weights and per-row int8 "
+    "quantization": "target's linear-layer weights. CPU: int8 = int8 weights and per-row int8 "
     "activations; q8_0 = int8 weights and activations in groups of 32 (GGUF's Q8_0), int4 = "
     "4-bit weights in groups of 32, both through the native kernels (AVX-512 VNNI, a C "
-    "compiler); greedy speculative output still equal to plain output of that model",
+    "compiler); greedy speculative output still equal to plain output of that model. CUDA: "
+    "fp8 = e4m3 weights per channel and activations per row (H100/H200 FP8 tensor cores)",
     "draft_quantization": "draft's linear-layer weights: auto (int4 on AVX-512 CPUs, else none); "
-    "int8 and q8_0 as for the target; int8-dynamic (one activation scale per batch); int4 (4-bit "
-    "weights for a few rows, int8-dynamic beyond). Drafts may be lossy: outputs stay exact",
+    "int8, q8_0 and fp8 as for the target; int8-dynamic (one activation scale per batch); int4 "
+    "(4-bit weights for a few rows, int8-dynamic beyond). Drafts may be lossy: outputs stay exact",
     "device": "where models run",
     "attention_backend": "attention kernels (auto: FlashInfer on CUDA when it works, else torch)",
     "page_size": "tokens per KV block",

@@ -14,11 +14,13 @@ SPECULATIVE_MODES = ("auto", "on", "off")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
 SCHEDULING_POLICIES = ("fcfs", "spf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Weight formats of the linear layers (CPU): see specdec.engine.models.quant and docs/formats.md.
-QUANTIZATIONS = ("none", "int8", "q8_0", "int4")
+# Weight formats of the linear layers: see specdec.engine.models.quant and docs/formats.md.
+QUANTIZATIONS = ("none", "int8", "q8_0", "int4", "fp8")
 # auto: int4 on CPUs with AVX-512 and fbgemm, where it measured faster than the other draft
 # formats at equal acceptance; none elsewhere (engine/loader.py resolve_draft_quantization).
-DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "q8_0", "int8-dynamic", "int4")
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "q8_0", "int8-dynamic", "int4", "fp8")
+# The formats CUDA runs (fp8: H100/H200 tensor cores); every other one is a CPU format.
+CUDA_QUANTIZATIONS = ("none", "auto", "fp8")
 # Formats only the native kernels run (a draft's int4 falls back to torch's kernel), by flag.
 NATIVE_ONLY = {"quantization": ("int4", "q8_0"), "draft-quantization": ("q8_0",)}
 # KV pool formats: auto stores K/V in the model dtype; int8 (a scale per row, CPU) and fp8
@@ -117,11 +119,11 @@ class EngineConfig:
             f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
             f"got {self.draft_quantization!r}",
         )
-        check(
-            self.device != "cuda"
-            or (self.quantization == "none" and self.draft_quantization in ("none", "auto")),
-            "--quantization and --draft-quantization are CPU formats; on CUDA leave them 'none'",
-        )
+        if self.device in ("cpu", "cuda"):
+            problem = quantization_device_problem(
+                self.device, self.quantization, self.draft_quantization
+            )
+            check(problem is None, problem or "")
         check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         check(
             self.attention_backend in ATTENTION_BACKENDS,
@@ -197,3 +199,21 @@ class EngineConfig:
 
 def config_field_names() -> list[str]:
     return [f.name for f in fields(EngineConfig)]
+
+
+def quantization_device_problem(
+    device: str, quantization: str, draft_quantization: str
+) -> str | None:
+    """Why the weight formats cannot run on ``device`` ("cpu" or "cuda"), or None."""
+    formats = {"--quantization": quantization, "--draft-quantization": draft_quantization}
+    if device == "cuda":
+        cpu_only = [f"{flag} {q}" for flag, q in formats.items() if q not in CUDA_QUANTIZATIONS]
+        if cpu_only:
+            return f"{' and '.join(cpu_only)}: a CPU format; on CUDA use none or fp8"
+    elif "fp8" in formats.values():
+        flags = " and ".join(f"{flag} fp8" for flag, q in formats.items() if q == "fp8")
+        return (
+            f"{flags}: fp8 weights are a CUDA format (FP8 tensor cores, H100/H200); on CPU use "
+            "int8, q8_0 or int4"
+        )
+    return None

@@ -14,7 +14,7 @@ import torch
 from specdec.engine.attention import create_backend
 from specdec.engine.attention.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttentionBackend
 from specdec.engine.block_allocator import BlockAllocator
-from specdec.engine.config import NATIVE_ONLY, EngineConfig
+from specdec.engine.config import NATIVE_ONLY, EngineConfig, quantization_device_problem
 from specdec.engine.cuda_graphs import GraphedForward, batch_buckets, num_scratch_blocks
 from specdec.engine.device_memory import RuntimeShapes, runtime_bytes
 from specdec.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -37,6 +37,7 @@ from specdec.engine.loader import (
 from specdec.engine.model_runner import ModelRunner, RunEntry
 from specdec.engine.models import native
 from specdec.engine.models.arch import ModelArch
+from specdec.engine.models.fp8 import check_fp8_device
 from specdec.engine.models.fused_ops import FusedOps, probe_fused_ops
 from specdec.engine.outputs import (
     OutputState,
@@ -108,10 +109,13 @@ class LLMEngine:
         ThreadpoolController().select(internal_api="openblas").limit(limits=1)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        if self.device.type != "cpu" and {config.quantization, config.draft_quantization} != {
-            "none"
-        }:
-            raise ConfigError("--quantization and --draft-quantization are CPU formats")
+        problem = quantization_device_problem(
+            self.device.type, config.quantization, config.draft_quantization
+        )
+        if problem is not None:
+            raise ConfigError(problem)
+        if config.quantization == "fp8" or config.draft_quantization == "fp8":
+            check_fp8_device(self.device)
         native_only = [
             f"--{flag} {scheme}"
             for flag, scheme, model in (

@@ -582,3 +582,13 @@ def test_gpu_check_cpu_smoke_runs_every_cpu_stage(tmp_path) -> None:
     assert not failed, failed
     assert {r["k"] for r in stages["e2e"]["rows"]} == {0, 1, 2}
     assert stages["engine_greedy"]["pass"]
+
+
+def test_gpu_check_cpu_smoke_runs_the_fp8_weights_stage(tmp_path) -> None:
+    stages = _smoke(tmp_path, "--only", "bandwidth,fp8_weights")["stages"]
+    fp8 = stages["fp8_weights"]
+    assert fp8["status"] == "ok" and fp8["pass"], fp8
+    assert fp8["fp8_weight_bytes"] < 0.6 * fp8["bf16_weight_bytes"]  # a byte a weight, not two
+    assert [r["batch"] for r in fp8["rows"]] and all(r["fp8_decode_ms"] > 0 for r in fp8["rows"])
+    table = (tmp_path / "gpu_check_table.txt").read_text()
+    assert "fp8 weights: logits rel err / top-1 vs bf16" in table

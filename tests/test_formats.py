@@ -279,7 +279,6 @@ def test_a_prebuilt_draft_keeps_its_own_format_under_auto(target):
         ({"draft_quantization": "int8-dynamic-please"}, "draft_quantization must be one of"),
         ({"quantization": "int8-dynamic"}, "quantization must be one of"),  # target: row-exact only
         ({"quantization": "int8-dynamic"}, "only with speculative_method none"),
-        ({"device": "cuda", "quantization": "int8"}, "CPU formats"),
     ],
 )
 def test_bad_format_settings_are_config_errors(fields, message):

@@ -32,8 +32,8 @@ VARIANTS = [
 class PagedModel:
     """Our model plus a KV pool and a block table, run chunk by chunk like the engine does."""
 
-    def __init__(self, hf, page_size: int = 4, num_blocks: int = 64) -> None:
-        self.lm = loaded_from_hf(hf)
+    def __init__(self, hf, page_size: int = 4, num_blocks: int = 64, quantization: str = "none"):
+        self.lm = loaded_from_hf(hf, quantization=quantization)
         arch = self.lm.arch
         self.kv = allocate_model_kv(arch, num_blocks, page_size, torch.float32, torch.device("cpu"))
         self.backend = create_backend(

@@ -1,5 +1,5 @@
 """Quantized weight formats for `Linear` on CPU (int8 and int4, each as a target or a draft takes
-it), and applying one to a whole model.
+it) and on GPU (fp8, `specdec.engine.models.fp8`), and applying one to a whole model.
 
 The two int8 schemes hold symmetric int8 weights with one scale per output channel, prepacked
 for fbgemm's dynamic int8 linear (VNNI / AVX2 int8 dot products, int32 sums), which reads a
@@ -50,6 +50,7 @@ from collections.abc import Callable
 import torch
 from specdec.engine.models import group_native, native
 from specdec.engine.models.decoder import checkpoint_sources
+from specdec.engine.models.fp8 import FP8RowScaled
 from specdec.engine.models.layers import Linear
 from specdec.engine.weights.gguf_blocks import StoredGroups
 from torch import nn
@@ -425,7 +426,10 @@ class Int4Draft:
 
 KERNELS = {
     "int8": Int8RowScaled, "int8-dynamic": Int8Dynamic, "int4": Int4Draft, "q8_0": Q8_0Exact,
+    "fp8": FP8RowScaled,
 }  # fmt: skip
+# Formats that quantize weights where they lie (the GPU's); the others take CPU weights.
+ANY_DEVICE = ("fp8",)
 # A target's int4 computes every row alone; a draft's switches to an int8 copy for many rows.
 TARGET_KERNELS = {**KERNELS, "int4": Int4Exact}
 # The code bits of the stored groups each scheme runs as they are.
@@ -457,8 +461,9 @@ def quantize_model(
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
-        if module.kernel is not None or module.weight.device.type != "cpu":
-            raise ValueError("quantize_model needs plain CPU weights (quantize before packing)")
+        on_cpu = module.weight.device.type == "cpu" or scheme in ANY_DEVICE
+        if module.kernel is not None or not on_cpu:
+            raise ValueError(f"{scheme} needs plain CPU weights (quantize before packing)")
         kernel, found = kernels[scheme], None
         if stored is not None and scheme in STORED_BITS:
             found = _stored_groups(module.weight, checkpoint_sources(name), stored)

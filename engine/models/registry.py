@@ -9,7 +9,7 @@ from specdec.engine.models import native
 from specdec.engine.models.arch import ModelArch, model_arch_from_hf_config
 from specdec.engine.models.decoder import DecoderLM
 from specdec.engine.models.native_elementwise import NativeElementwiseOps, fits
-from specdec.engine.models.quant import Stored, quantize_model
+from specdec.engine.models.quant import ANY_DEVICE, Stored, quantize_model
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Qwen2ForCausalLM": DecoderLM,
@@ -40,13 +40,14 @@ def build_model(
     stored: Stored | None = None,
 ) -> DecoderLM:
     """Instantiate, load weights tensor by tensor, and prepare kernels for the device: the linear
-    layers in `quantization` (a scheme of `specdec.engine.models.quant`; CPU only), else packed
-    for oneDNN on CPU, as ``role`` ("target" or "draft") takes the scheme. A quantized model also
+    layers in `quantization` (a scheme of `specdec.engine.models.quant`), else packed
+    for oneDNN on CPU, as ``role`` ("target" or "draft") takes the scheme (fp8 on any device,
+    every other scheme on CPU). A quantized model also
     runs its norms, activation and rope through the native kernels where they build
     (`native_elementwise`): its numbers are the quantized weights' anyway, never the checkpoint's
     reference ones, and the kernels compute each row alone. ``stored``: a checkpoint's own
     groups of codes, which int4 and q8_0 keep (`quant.quantize_model`)."""
-    if quantization != "none" and device.type != "cpu":
+    if quantization not in ("none", *ANY_DEVICE) and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on CPU only, not on {device.type}")
     model = instantiate_model(arch, dtype, device)
     model.load_weights(weights)

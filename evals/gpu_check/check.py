@@ -28,6 +28,7 @@ import torch
 from specdec.evals.environment import environment_info
 from specdec.evals.gpu_check.context import CheckContext
 from specdec.evals.gpu_check.engine import stage_engine_controller
+from specdec.evals.gpu_check.fp8 import stage_fp8_weights
 from specdec.evals.gpu_check.models import arch_for
 from specdec.evals.gpu_check.parity import (
     stage_attention_parity,
@@ -127,6 +128,7 @@ STAGES: list[tuple[str, Stage, float, bool, bool]] = [
     ("bandwidth", stage_bandwidth, 5, False, False),
     ("attention_parity", stage_attention_parity, 10, True, False),
     ("step_timing", stage_step_timing, 60, True, False),
+    ("fp8_weights", stage_fp8_weights, 40, True, False),
     ("kernel_profile", stage_kernel_profile, 15, True, False),
     ("e2e", stage_e2e, 40, True, False),
     ("engine_controller", stage_engine_controller, 60, True, False),

@@ -84,6 +84,16 @@ def summarize(results: dict[str, Any]) -> list[Row]:
         value = f"{prof['kernels_per_step']:.0f} / {prof['kernel_us_per_step'] / 1e3:.2f} ms"
         add("batch-1 decode kernels / kernel time", value, "measured", None)
     _timing_rows(results, add)
+    fp8 = _stage(results, "fp8_weights")
+    if fp8:
+        value = f"{fp8['logits_relative_error']:.3g} / {fp8['top1_agreement']:.3g}"
+        add("fp8 weights: logits rel err / top-1 vs bf16", value, "< 0.25 / > 0.5", fp8["pass"])
+        for r in fp8["rows"]:
+            add(f"fp8 / bf16 decode ms, batch {r['batch']}", r["fp8_over_bf16"], "info", None)
+            if "fp8_vs_roofline" in r:
+                add(
+                    f"fp8 decode / roofline, batch {r['batch']}", r["fp8_vs_roofline"], "info", None
+                )
     return rows
 
 
