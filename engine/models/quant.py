@@ -461,9 +461,9 @@ def quantize_model(
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
-        on_cpu = module.weight.device.type == "cpu" or scheme in ANY_DEVICE
-        if module.kernel is not None or not on_cpu:
-            raise ValueError(f"{scheme} needs plain CPU weights (quantize before packing)")
+        where = "" if scheme in ANY_DEVICE else "CPU "
+        if module.kernel is not None or (where and module.weight.device.type != "cpu"):
+            raise ValueError(f"{scheme} needs plain {where}weights (quantize before packing)")
         kernel, found = kernels[scheme], None
         if stored is not None and scheme in STORED_BITS:
             found = _stored_groups(module.weight, checkpoint_sources(name), stored)

@@ -5,21 +5,22 @@ batch size (graphed on CUDA, as the engine runs it) against the HBM roofline of 
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from specdec.engine.cuda_graphs import GraphedForward
 from specdec.engine.models.quant import quantize_model
 from specdec.evals.gpu_check.context import CheckContext
-from specdec.evals.gpu_check.models import Timer, eager_step, kv_bytes_per_token
-from specdec.evals.gpu_check.timing import get_rig
+from specdec.evals.gpu_check.models import Timer, eager_step, kv_bytes_per_token, random_model
+from specdec.evals.gpu_check.timing import TARGET_SEED, get_rig
 
 
 def stage_fp8_weights(ctx: CheckContext) -> dict[str, Any]:
     rig = get_rig(ctx)
-    fp8 = copy.deepcopy(rig.target)
+    # The rig's target again (its seed), in fp8, set up as the engine runs it.
+    fp8 = random_model(rig.t_arch, ctx.dtype, ctx.device, seed=TARGET_SEED)
     quantize_model(fp8, "fp8")
+    fp8 = ctx.fast_model(fp8)
     out: dict[str, Any] = {
         "bf16_weight_bytes": rig.target.weight_bytes(),
         "fp8_weight_bytes": fp8.weight_bytes(),

@@ -31,6 +31,8 @@ from specdec.evals.gpu_check.models import (
     random_model,
 )
 
+TARGET_SEED = 21  # the random target's weights (the fp8 stage builds the same model again)
+
 
 def stage_bandwidth(ctx: CheckContext) -> dict[str, Any]:
     gib, iters = (0.05, 3) if ctx.cpu_smoke else (4.0, 20)
@@ -45,7 +47,9 @@ class Rig:
         page = ctx.page_size
         self.t_arch = arch_for(ctx.target_shape)
         self.d_arch = arch_for(ctx.draft_shape, vocab_size=self.t_arch.vocab_size)
-        self.target = ctx.fast_model(random_model(self.t_arch, ctx.dtype, ctx.device, seed=21))
+        self.target = ctx.fast_model(
+            random_model(self.t_arch, ctx.dtype, ctx.device, seed=TARGET_SEED)
+        )
         self.draft = ctx.fast_model(random_model(self.d_arch, ctx.dtype, ctx.device, seed=22))
         max_b, max_k = max(ctx.batch_sizes), max(ctx.ks)
         max_tokens = ctx.context_len + (ctx.e2e_steps + 2) * (max_k + 1) + page
