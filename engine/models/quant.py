@@ -303,7 +303,20 @@ def _int4_group(in_features: int) -> int:
     return INT4_GROUP
 
 
-class Int4Exact:
+class _PackedGroups:
+    """Weights packed in groups for the native kernel (``group_native``), which computes every
+    row on its own; subclasses pack them (``packed``, ``out_features``, ``native``)."""
+
+    native: ctypes.CDLL
+    packed: torch.Tensor
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = group_native.linear(self.native, self.packed, self.out_features, x, bias)
+        return y.to(x.dtype)
+
+
+class Int4Exact(_PackedGroups):
     """int4 weights for any row count through the native kernel (``group_native``): each row is
     computed on its own, so a target in this format keeps greedy speculative output equal to its
     plain output. Needs the native kernels (an x86 CPU with AVX-512 VNNI, a C compiler)."""
@@ -319,10 +332,6 @@ class Int4Exact:
 
     def dense(self) -> torch.Tensor:
         return group_native.unpack(self.packed, self.out_features)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = group_native.linear(self.native, self.packed, self.out_features, x, bias)
-        return y.to(x.dtype)
 
 
 def _native_library(scheme: str) -> ctypes.CDLL:
@@ -351,7 +360,7 @@ def quantize_weight_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return codes, scale
 
 
-class Q8_0Exact:
+class Q8_0Exact(_PackedGroups):
     """GGUF Q8_0 weights for any row count through the native kernel (``group_native``), each
     row computed on its own (module docstring)."""
 
@@ -368,10 +377,6 @@ class Q8_0Exact:
 
     def dense(self) -> torch.Tensor:
         return group_native.unpack_q8_0(self.packed, self.out_features)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = group_native.linear(self.native, self.packed, self.out_features, x, bias)
-        return y.to(x.dtype)
 
 
 class _TorchInt4:
