@@ -105,12 +105,14 @@ def machine_description(device: torch.device, dtype: torch.dtype, models: list[s
 
 
 _ENGINE_DIR = Path(__file__).resolve().parent
+# Every sampled row of a timed step runs these.
+_SAMPLING_SOURCES = ("sampling.py", "gpu_sampling.py", "noise.py", "noise_stream.c")
 
 
 def forward_code_digest(root: Path = _ENGINE_DIR) -> str:
-    """sha256 of the sources under ``root`` (the engine) that compute a forward: the model layers,
-    the weight formats and the attention backends. Timings measured with other code are not this
-    code's."""
+    """sha256 of the sources under ``root`` (the engine) that compute a forward and its sampling:
+    the model layers, the weight formats, the attention backends and the sampler with its noise.
+    Timings measured with other code are not this code's."""
     digest = hashlib.sha256()
     sources = [
         path
@@ -118,6 +120,7 @@ def forward_code_digest(root: Path = _ENGINE_DIR) -> str:
         for kind in ("*.py", "*.c", "*.h")
         for path in (root / folder).glob(kind)
     ]
+    sources += [root / name for name in _SAMPLING_SOURCES if (root / name).exists()]
     for path in sorted(sources):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -244,8 +244,8 @@ def sample(
     ``positions[b]``, `specdec.engine.noise.TOKEN`): its token is a function of its seed, its position and
     its distribution alone, whatever else is in the batch or was drawn before. This is the one
     rule every token of a seeded request is picked by: plain decode, the draft's proposals and the
-    target's verification (`specdec.rejection_sampler.coupled_verify`). Rows without a seed share
-    one draw from the device's default generator.
+    target's verification (`specdec.rejection_sampler.coupled_verify`). Rows without a seed race
+    on streams keyed by draws from the device's default generator.
     """
     if probs.dim() != 2:
         raise ValueError(f"probs must be [num_rows, vocab], got shape {tuple(probs.shape)}")
@@ -257,19 +257,13 @@ def sample(
     if seeded and (positions is None or len(positions) != num_rows):
         raise ValueError(f"seeded rows need one position per row ({num_rows} rows)")
     probs = probs.to(torch.float32)
-    every = len(seeded) == num_rows
-    draws = torch.empty_like(probs) if every else torch.empty_like(probs).exponential_()
-    step = noise.chunk_rows(vocab)
-    for c in range(0, len(seeded), step):
-        rows = seeded[c : c + step]
-        keys = noise.stream_keys(
-            [seeds[b] for b in rows], [positions[b] for b in rows], noise.TOKEN, probs.device
-        )
-        if every:
-            draws[c : c + len(rows)] = noise.exponentials(keys, vocab)
-        else:
-            idx = torch.tensor(rows, device=probs.device)
-            draws.index_copy_(0, idx, noise.exponentials(keys, vocab))
-    # Exp(1) draws can be exactly 0 in float32; clamping keeps p/E finite and 0/E == 0 for p == 0.
-    draws.clamp_min_(torch.finfo(torch.float32).tiny)
-    return (probs / draws).argmax(dim=-1)
+    if seeded:
+        stream = [seeds[b] for b in seeded], [positions[b] for b in seeded]
+        seeded_keys = noise.stream_keys(*stream, noise.TOKEN, probs.device)
+    if len(seeded) == num_rows:
+        keys = seeded_keys
+    else:  # a fully seeded batch leaves the default generator as it was
+        keys = noise.random_keys(num_rows, probs.device)
+        if seeded:
+            keys.index_copy_(0, torch.tensor(seeded, device=probs.device), seeded_keys)
+    return noise.race(keys, probs)

@@ -125,8 +125,8 @@ def test_an_unreadable_cache_entry_is_measured_afresh(tmp_path):
 
 
 def test_the_cache_key_follows_the_forward_code(tmp_path):
-    # An edit to a layer, a weight format or an attention backend changes the timings, so it
-    # changes the key even where the package version does not move (a source tree).
+    # An edit to a layer, a weight format, an attention backend or the sampler changes the
+    # timings, so it changes the key even where the package version does not move (a source tree).
     for part in ("models", "attention"):
         (tmp_path / part).mkdir()
         (tmp_path / part / "a.py").write_text("x = 1\n")
@@ -137,5 +137,8 @@ def test_the_cache_key_follows_the_forward_code(tmp_path):
     after_python = forward_code_digest(tmp_path)
     (tmp_path / "attention" / "kernel.c").write_text("int f(void) { return 0; }\n")  # native
     assert forward_code_digest(tmp_path) != after_python
+    after_native = forward_code_digest(tmp_path)
+    (tmp_path / "noise.py").write_text("x = 3\n")  # every sampled row's noise
+    assert forward_code_digest(tmp_path) != after_native
     machine = machine_description(torch.device("cpu"), torch.float32, ["t"])
     assert machine["forward_code"] == forward_code_digest()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy import stats
 from specdec.engine import noise
+from specdec.engine.models import native
 
 M64 = (1 << 64) - 1
 
@@ -67,6 +68,46 @@ def test_neighbouring_positions_are_uncorrelated() -> None:
     u = noise.uniforms(keys, 64)  # [4001, 64]
     r = torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1]
     assert abs(float(r)) < 4 / (4000 * 64) ** 0.5
+
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="no native kernels (AVX-512 VNNI, a C compiler)"
+)
+
+
+def _torch_ops(fn, *args):
+    with native.switched_off():
+        return fn(*args)
+
+
+@needs_native
+def test_native_noise_is_the_torch_ops_noise() -> None:
+    keys = noise.stream_keys(list(range(-8, 40)), list(range(48)), noise.TOKEN, "cpu")
+    vocab = 40_000  # several of the kernel's blocks per row, the last one partial
+    assert torch.equal(noise.uniforms(keys, vocab), _torch_ops(noise.uniforms, keys, vocab))
+    got, want = noise.exponentials(keys, vocab), _torch_ops(noise.exponentials, keys, vocab)
+    differ = got != want
+    # The kernel's own log may round to the neighbouring float where two float64 logs differ
+    # in their last bits: rare, and never by more than one float.
+    assert int(differ.sum()) <= got.numel() // 100_000
+    apart = (got[differ].view(torch.int32).long() - want[differ].view(torch.int32).long()).abs()
+    assert apart.numel() == 0 or int(apart.max()) <= 1
+
+
+@needs_native
+def test_native_race_is_the_torch_ops_race() -> None:
+    torch.manual_seed(3)
+    vocab = 40_000
+    keys = noise.stream_keys(list(range(64)), [7] * 64, noise.TOKEN, "cpu")
+    probs = torch.rand(64, vocab) ** 16  # peaked rows, as a language model's are
+    probs[1] = 0.0  # ties everywhere: the first index wins, as torch's argmax picks
+    probs[2] = 0.0
+    probs[2, vocab - 1] = 1.0  # one-hot in the last, partial block
+    probs[3, :20_000] = 0.0  # the mass only in later blocks
+    probs[4, ::2] = 0.0
+    got = noise.race(keys, probs)
+    assert torch.equal(got, _torch_ops(noise.race, keys, probs))
+    assert got[1] == 0 and got[2] == vocab - 1 and got[3] >= 20_000 and got[4] % 2 == 1
 
 
 @pytest.mark.gpu

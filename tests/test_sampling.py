@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 from scipy import stats
+from specdec.engine.models import native
 from specdec.engine.sampling import RowContext, compute_probs, greedy_picks, sample
 from specdec.engine.sampling_params import SamplingParams
 
@@ -315,18 +317,32 @@ def test_sample_checks_seeds_and_positions() -> None:
         sample(probs, [1, None], [0])
 
 
+def test_a_fully_seeded_batch_leaves_the_default_generator_alone() -> None:
+    probs = torch.full((3, 50), 0.02)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    sample(probs, [1, 2, 3], [0, 0, 0])
+    assert torch.equal(torch.get_rng_state(), state)
+    sample(probs, [1, None, 3], [0, 0, 0])  # an unseeded row draws its stream's key
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("stream", ["unseeded", "across_seeds", "across_positions"])
-def test_sample_frequencies_match_probs(stream: str) -> None:
+def test_sample_frequencies_match_probs(stream: str, kernels: str) -> None:
+    if kernels == "native" and native.library() is None:
+        pytest.skip("no native kernels (AVX-512 VNNI, a C compiler)")
     probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
     draws = 24_000
     batch = probs.expand(draws, -1).contiguous()
     torch.manual_seed(2024)
-    if stream == "unseeded":
-        tokens = sample(batch)
-    elif stream == "across_seeds":
-        tokens = sample(batch, list(range(draws)), [5] * draws)
-    else:
-        tokens = sample(batch, [77] * draws, list(range(draws)))
+    with native.switched_off() if kernels == "torch" else contextlib.nullcontext():
+        if stream == "unseeded":
+            tokens = sample(batch)
+        elif stream == "across_seeds":
+            tokens = sample(batch, list(range(draws)), [5] * draws)
+        else:
+            tokens = sample(batch, [77] * draws, list(range(draws)))
     counts = torch.bincount(tokens, minlength=6).double()
     assert counts[2].item() == 0
     support = probs > 0

@@ -1,5 +1,5 @@
-"""The engine's native CPU kernels (``group_matmul.c``, ``elementwise.c``, ``int8_rows.c``, and
-``paged_attention.c`` beside the attention backends):
+"""The engine's native CPU kernels (``group_matmul.c``, ``elementwise.c``, ``int8_rows.c``,
+``paged_attention.c`` beside the attention backends, and ``noise_stream.c`` beside the sampler):
 compiled into one shared library on first use with the system's C compiler, loaded with ctypes,
 used where the CPU has AVX-512 VNNI. The element-wise ops serve quantized models
 (``native_elementwise``): their rounding is not the torch layers', which an unquantized target
@@ -40,15 +40,16 @@ _SOURCES = (
     _HERE / "elementwise.c",
     _HERE / "int8_rows.c",
     _HERE.parent / "attention" / "paged_attention.c",
+    _HERE.parent / "noise_stream.c",
 )
 _HEADERS = (_HERE / "simd16.h",)
 # -ffp-contract=off: no multiply-add fused behind the sources' back, so int8_rows.c's arithmetic
 # is the IEEE operations it spells out.
 _FLAGS = (
-    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off",
-    "-fopenmp", "-fPIC",
+    "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+    "-ffp-contract=off", "-fopenmp", "-fPIC",
 )  # fmt: skip
-_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -74,6 +75,11 @@ _SIGNATURES = {
         [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _F, _I, _P],
         ctypes.c_int,
     ),
+    # (keys, rows, n, out): counter-based uniforms and exponentials (``specdec.engine.noise``)
+    "noise_uniforms": ([_P, _I, _I64, _P], None),
+    "noise_exponentials": ([_P, _I, _I64, _P], None),
+    # (keys, rows, n, probs, out) -> 0, or -1 without memory: the exponential race's winners
+    "noise_race": ([_P, _I, _I64, _P, _P], ctypes.c_int),
 }
 
 
