@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 from specdec.engine.config import EngineConfig
 from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.outputs import RequestOutput
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpecStats
 from specdec.evals.controller_sweep.report import write_markdown, write_plot
@@ -204,8 +205,9 @@ class ArmLoop:
     def done(self) -> bool:
         return not self.queue and not self.engine.has_unfinished()
 
-    def advance(self) -> None:
-        """Admit what the concurrency allows, run one engine step, account its outputs."""
+    def advance(self) -> list[RequestOutput]:
+        """Admit what the concurrency allows, run one engine step, account its outputs (and
+        return them)."""
         t0 = time.perf_counter()
         while self.queue and self.in_flight < self.concurrency:
             rid, prompt, params = self.queue.pop(0)
@@ -224,6 +226,7 @@ class ArmLoop:
             first = self._first_token_at.pop(out.request_id, None)
             if n > 1 and first is not None:
                 self.tpots.append((self.busy_s - first) / (n - 1))
+        return outputs
 
     def result(self, workload: str) -> ArmResult:
         after = self.engine.spec_stats
