@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result = {
         **result_header("specdec.evals.kernels.sampling_ab", argv, args.threads),
-        "dtype": str(engines["native", "plain"].config.dtype),
+        "dtype": str(engines["native", "plain"].dtype).removeprefix("torch."),
         "max_tokens": args.max_tokens,
         "temperature": temperature,
         "points": points,
