@@ -16,8 +16,8 @@ multiplication and addition agree bit for bit with unsigned 64-bit arithmetic in
 and right shifts of int64 are arithmetic, so the bits they bring in from the sign are masked off.
 The uniforms are therefore bit-identical on CPU and CUDA; the exponentials computed from them
 agree to the rounding of ``log``. On a CPU with the native kernels (`specdec.engine.models.native`)
-``noise_stream.c`` computes the same numbers in one pass (the uniforms bit for bit, the
-exponentials to the rounding of its own ``log``) and the race without writing them: over a
+``noise_stream.c`` computes the same exponentials in one pass (from the same uniforms, bit for
+bit, to the rounding of its own ``log``) and the race without writing them: over a
 vocabulary of 150k the torch ops' int64 temporaries made sampling about 2 ms a row.
 """
 
@@ -95,11 +95,6 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
     """``[rows, n]`` float64 uniforms in the open interval (0, 1)."""
-    lib = _native_for(keys)
-    if lib is not None:
-        keys, out = keys.contiguous(), torch.empty(keys.shape[0], n, dtype=torch.float64)
-        lib.noise_uniforms(_ptr(keys), keys.shape[0], n, _ptr(out))
-        return out
     top = _shr(stream_bits(keys, n), 64 - _MANTISSA).to(torch.float64)
     return (top + 0.5) * 2.0**-_MANTISSA
 

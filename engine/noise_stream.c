@@ -62,20 +62,7 @@ static inline float exponential_of(double u) {
     return out < FLT_MIN ? FLT_MIN : out;
 }
 
-// keys [rows] (int64 words read as unsigned), out [rows, n] float64.
-void noise_uniforms(const int64_t *keys, int rows, int64_t n, double *out) {
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < (int64_t)rows * blocks; b++) {
-        const int64_t r = b / blocks, start = (b % blocks) * BLOCK;
-        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        const uint64_t key = (uint64_t)keys[r];
-#pragma omp simd
-        for (int64_t i = start; i < end; i++) out[r * n + i] = uniform_at(key, i);
-    }
-}
-
-// keys [rows], out [rows, n] float32 Exp(1) draws, all >= FLT_MIN.
+// keys [rows] (int64 words read as unsigned), out [rows, n] float32 Exp(1) draws, >= FLT_MIN.
 void noise_exponentials(const int64_t *keys, int rows, int64_t n, float *out) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)

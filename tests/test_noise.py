@@ -84,7 +84,6 @@ def _torch_ops(fn, *args):
 def test_native_noise_is_the_torch_ops_noise() -> None:
     keys = noise.stream_keys(list(range(-8, 40)), list(range(48)), noise.TOKEN, "cpu")
     vocab = 40_000  # several of the kernel's blocks per row, the last one partial
-    assert torch.equal(noise.uniforms(keys, vocab), _torch_ops(noise.uniforms, keys, vocab))
     got, want = noise.exponentials(keys, vocab), _torch_ops(noise.exponentials, keys, vocab)
     differ = got != want
     # The kernel's own log may round to the neighbouring float where two float64 logs differ

@@ -75,8 +75,7 @@ _SIGNATURES = {
         [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _F, _I, _P],
         ctypes.c_int,
     ),
-    # (keys, rows, n, out): counter-based uniforms and exponentials (``specdec.engine.noise``)
-    "noise_uniforms": ([_P, _I, _I64, _P], None),
+    # (keys, rows, n, out): counter-based exponentials (``specdec.engine.noise``)
     "noise_exponentials": ([_P, _I, _I64, _P], None),
     # (keys, rows, n, probs, out) -> 0, or -1 without memory: the exponential race's winners
     "noise_race": ([_P, _I, _I64, _P, _P], ctypes.c_int),
