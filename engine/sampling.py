@@ -256,14 +256,13 @@ def sample(
     seeded = [b for b, s in enumerate(seeds) if s is not None]
     if seeded and (positions is None or len(positions) != num_rows):
         raise ValueError(f"seeded rows need one position per row ({num_rows} rows)")
-    probs = probs.to(torch.float32)
+    if len(seeded) == num_rows:  # a fully seeded batch leaves the default generator as it was
+        keys = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    else:
+        keys = noise.random_keys(num_rows, probs.device)
     if seeded:
         stream = [seeds[b] for b in seeded], [positions[b] for b in seeded]
-        seeded_keys = noise.stream_keys(*stream, noise.TOKEN, probs.device)
-    if len(seeded) == num_rows:
-        keys = seeded_keys
-    else:  # a fully seeded batch leaves the default generator as it was
-        keys = noise.random_keys(num_rows, probs.device)
-        if seeded:
-            keys.index_copy_(0, torch.tensor(seeded, device=probs.device), seeded_keys)
+        keys[torch.tensor(seeded, device=probs.device)] = noise.stream_keys(
+            *stream, noise.TOKEN, probs.device
+        )
     return noise.race(keys, probs)

@@ -2,8 +2,8 @@
 real pair: one engine per (noise, mode) in one process, the engines stepping in turn (as the live
 sweep's arms do) over the same seeded temperature-1 requests at each concurrency, plain decode
 and adaptive speculation. Seeded requests race on the same noise in both (to the rounding of
-``log``), so each mode's two engines must write the same text, and the figures compare the same
-work. Throughput in output tokens per second of each engine's own step time, median over rounds.
+``log``), so each mode's two engines should write the same text (each round records whether
+they did), and the figures compare the same work. Throughput in output tokens per second of each engine's own step time, median over rounds.
 
     python -m specdec.evals.kernels.sampling_ab --output-dir docs/results/engine
 """
