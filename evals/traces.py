@@ -26,6 +26,8 @@ TOP_K = 8  # draft tokens kept per position
 REQUESTS_FILE = "requests.npz"
 META_FILE = "meta.json"
 DEFAULT_TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
+# the meta.json keys that describe a cost table and where it was measured
+COST_TABLE_KEYS = ("cost_table", "cost_table_command", "cost_table_commit", "cost_table_machine")
 
 
 @dataclass
@@ -142,3 +144,33 @@ def load_traces(directory: str | Path | None = None) -> TraceSet:
             )
         )
     return TraceSet(requests, meta)
+
+
+def load_cost_table(source: str | Path) -> dict:
+    """The cost-table keys of a trace set's meta.json, its directory, or a file holding just those
+    keys: a table measured on another machine or in another format, to price the same traces."""
+    from specdec.engine.errors import SpecdecError
+
+    path = Path(source)
+    path = path / META_FILE if path.is_dir() else path
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecdecError(
+            f"cannot read a cost table from {str(path)!r}: {e}", param="cost_table"
+        ) from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("cost_table"), dict):
+        raise SpecdecError(
+            f"{str(path)!r} holds no cost table (a JSON object with a 'cost_table' key; "
+            "measure one with `specdec trace --cost-table-only`)",
+            param="cost_table",
+        )
+    out = {k: meta[k] for k in COST_TABLE_KEYS if k in meta}
+    out.setdefault("cost_table_machine", meta.get("machine", {}))
+    return out
+
+
+def priced_by(traces: TraceSet, cost_table: dict) -> TraceSet:
+    """The same requests with the step costs of ``cost_table`` (``load_cost_table``'s keys)."""
+    meta = {k: v for k, v in traces.meta.items() if k not in COST_TABLE_KEYS}
+    return TraceSet(traces.requests, dict(meta, **cost_table))

@@ -29,7 +29,14 @@ from pathlib import Path
 
 import numpy as np
 from specdec.evals.cost_table import StepCosts
-from specdec.evals.traces import META_FILE, TOP_K, RequestTrace, TraceSet, load_traces
+from specdec.evals.traces import (
+    TOP_K,
+    RequestTrace,
+    TraceSet,
+    load_cost_table,
+    load_traces,
+    priced_by,
+)
 
 GROUPS = {
     "code": ("code_generation", "code_editing"),
@@ -105,10 +112,9 @@ def step_seconds(costs: StepCosts, tree: frozenset[RankPath]) -> float:
     return seconds
 
 
-def evaluate(traces: TraceSet, priced_by: dict | None = None) -> dict:
-    """Every group, depth and shape; step times from the cost table in ``priced_by`` (a trace
-    set's meta; default: the traces' own)."""
-    meta = priced_by or traces.meta
+def evaluate(traces: TraceSet) -> dict:
+    """Every group, depth and shape; step times from the traces' cost table."""
+    meta = traces.meta
     costs = StepCosts(meta["cost_table"])
     greedy = [r for r in traces.requests if r.temperature == 0]
     out: dict = {"groups": {}}
@@ -231,11 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--commit", default="unknown", help="commit named in the markdown")
     args = parser.parse_args(argv)
-    priced_by = None
+    traces = load_traces(args.traces)
     if args.cost_table_from:
-        path = Path(args.cost_table_from)
-        priced_by = json.loads((path / META_FILE if path.is_dir() else path).read_text())
-    result = evaluate(load_traces(args.traces), priced_by)
+        traces = priced_by(traces, load_cost_table(args.cost_table_from))
+    result = evaluate(traces)
     result["summary"] = summary(result)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -359,6 +359,67 @@ def test_replay_command_writes_identical_files_twice(tmp_path, capsys):
     assert b'"fixed_k2"' in outputs[0][0]
 
 
+def _scaled(table: dict, factor: float) -> dict:
+    """Every measured time of ``table`` times ``factor``."""
+    return {
+        name: [dict(p, seconds=p["seconds"] * factor) for p in points]
+        for name, points in table.items()
+    }
+
+
+def test_replay_command_prices_the_traces_by_another_cost_table(tmp_path, capsys):
+    import json
+
+    from specdec.api.cli import main
+
+    ts = synthetic_trace_set()
+    save_traces(tmp_path / "t", ts.requests, ts.meta)
+    slower = tmp_path / "slower.json"
+    slower.write_text(
+        json.dumps(
+            {
+                "cost_table": _scaled(ts.meta["cost_table"], 2.0),
+                "cost_table_command": "specdec trace --cost-table-only",
+                "cost_table_machine": {"cpu": "Slower CPU"},
+            }
+        )
+    )
+    argv = ["replay", "--traces", str(tmp_path / "t"), "--scenarios", "code_c1"]
+    argv += ["--policies", "plain,fixed_k2"]
+    assert main([*argv, "--output-dir", str(tmp_path / "own")]) == 0
+    assert (
+        main([*argv, "--output-dir", str(tmp_path / "other"), "--cost-table-from", str(slower)])
+        == 0
+    )
+    own, other = (
+        json.loads((tmp_path / d / "replay.json").read_text())["scenarios"][0]["tokens_per_s"]
+        for d in ("own", "other")
+    )
+    for policy in ("plain", "fixed_k2"):
+        assert other[policy] == pytest.approx(own[policy] / 2, rel=0.02)
+    header = (tmp_path / "other" / "replay.md").read_text().splitlines()[2]
+    assert "Slower CPU" in header and str(slower) in header
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [(None, "cannot read a cost table"), ("{not json", "cannot read a cost table"),
+     ('{"machine": {}}', "holds no cost table"), ("[1, 2]", "holds no cost table")],
+)  # fmt: skip
+def test_a_bad_cost_table_is_a_clear_error_and_writes_nothing(tmp_path, capsys, body, message):
+    from specdec.api.cli import main
+
+    ts = synthetic_trace_set()
+    save_traces(tmp_path / "t", ts.requests, ts.meta)
+    table = tmp_path / "table.json"
+    if body is not None:
+        table.write_text(body)
+    argv = ["replay", "--traces", str(tmp_path / "t"), "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--cost-table-from", str(table)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_replay_command_rejects_unknown_names(tmp_path, capsys):
     from specdec.api.cli import main
 

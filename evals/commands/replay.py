@@ -21,6 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--traces", default=None, help="trace set directory (default: evals/data/traces)"
     )
+    g.add_argument(
+        "--cost-table-from",
+        default=None,
+        help="price the steps by another cost table: a trace set (directory or meta.json) or a "
+        "file of `specdec trace --cost-table-only`'s keys (default: the traces' own)",
+    )
     g.add_argument("--output-dir", default="replay-results", help="where replay.json/.md go")
     g.add_argument(
         "--scenarios", default="all", help="scenario names, comma-separated (default: all)"
@@ -63,12 +69,14 @@ def run(args: argparse.Namespace) -> int:
         to_json,
         to_markdown,
     )
-    from specdec.evals.traces import load_traces
+    from specdec.evals.traces import load_cost_table, load_traces, priced_by
 
     torch.set_num_threads(1)  # the replay's tensors are tiny: threads only add overhead
     logging.getLogger("engine").setLevel(logging.WARNING)
     logging.getLogger("specdec").setLevel(logging.WARNING)
     traces = load_traces(args.traces)
+    if args.cost_table_from:
+        traces = priced_by(traces, load_cost_table(args.cost_table_from))
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     scenarios = _pick(args.scenarios, default_scenarios(), "scenario")
     policies = _pick(args.policies, default_policies(), "policy")
@@ -88,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
     if "cost_table_command" in meta:
         header += (
             f", cost table by `{meta['cost_table_command']}` "
-            f"(commit {meta.get('cost_table_commit', '?')})"
+            f"(commit {meta.get('cost_table_commit', '?')}; "
+            f"{meta.get('cost_table_machine', {}).get('cpu', '?')})"
         )
+        if args.cost_table_from:
+            header += f" read from `{args.cost_table_from}`"
     header += (
         ". Output tokens per simulated second; the best policy of each scenario in bold. "
         "docs/evals.md explains the scenarios, policies and approximations.\n\n"
