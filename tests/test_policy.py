@@ -11,8 +11,8 @@ from specdec.engine.sequence import Sequence
 
 from specdec.controller.estimates import (
     AcceptanceModel,
-    RescueModel,
     expected_tokens_table,
+    tree_rates,
 )
 from specdec.controller.policy import (
     EXPLORE_INTERVAL,
@@ -353,30 +353,47 @@ class _Prices(StepCostModel):
 
 
 def _tree_policy(per_row: float, acceptance: float = 0.6, rescue: float = 0.8) -> AdaptivePolicy:
-    """Trees of 16 nodes (dynamic growth), chain acceptance ``acceptance`` and rescue rate
-    ``rescue`` at every depth, learned from many verifies."""
+    """Trees of 16 nodes (dynamic growth), chain acceptance ``acceptance`` at every depth, and
+    tree verifies that carried a share ``rescue`` of the first choice's failures at every depth,
+    as many verifies would have taught it."""
     policy = AdaptivePolicy(
         4, initial_acceptance=acceptance, cost=_Prices(per_row), stop_drafts_early=False,
         tree_nodes=16, tree_widths=lambda k: level_widths(16, k, TreeShape()),
     )  # fmt: skip
-    for _ in range(100):
-        for depth in range(4):
-            policy.rescue.observe(4, [0] * depth + [1])  # a runner-up held at this depth
-            for _ in range(round(10 * (1 - rescue) / rescue)):
-                policy.rescue.observe(4, [0] * depth)  # none held here
+    trees = policy.tree_acceptance
+    trees.judged = [1000.0] * 4
+    trees.hits = [1000.0 * (acceptance + (1.0 - acceptance) * rescue)] * 4
+    trees.version += 1
     return policy
 
 
-def test_rescue_model_learns_and_prices_a_tree_per_depth():
-    model = RescueModel(3)
+def test_tree_rates_price_what_tree_verifies_carried_beyond_the_chain():
+    engine = [0.9, 0.5, 0.5]
+    fresh = AcceptanceModel(3, 0.7)
+    # No tree verify yet: a runner-up is taken to hold as often as the first choice.
+    assert tree_rates(engine, engine, fresh, [4, 4, 4]) == pytest.approx(
+        [0.9 + 0.1 * 0.9, 0.5 + 0.5 * 0.5, 0.5 + 0.5 * 0.5]
+    )
+    trees = AcceptanceModel(3, 0.7)
     for _ in range(500):
-        model.observe(3, [0, 2])  # depth 0 first choice, depth 1 a runner-up, depth 2 rejected
-    rates = model.tree_rates([0.9, 0.5, 0.5], widths=[4, 4, 4])
-    # No trial at depth 0: a runner-up is taken to hold as often as the first choice.
-    assert rates[0] == pytest.approx(0.9 + 0.1 * 0.9)
-    assert rates[1] == pytest.approx(0.5 + 0.5 * 1.0, abs=0.025)  # always rescued at depth 1
-    assert rates[2] == pytest.approx(0.5, abs=0.025)  # never rescued at depth 2
-    assert model.tree_rates([0.9, 0.5], widths=[4, 1])[1] == 0.5  # one node: no runner-up
+        trees.observe(3, 2)  # every tree verify held at depths 0 and 1, never at depth 2
+    rates = tree_rates(engine, engine, trees, [4, 4, 4])  # the prior still weighs 8 of ~108
+    assert rates[0] == pytest.approx(1.0, abs=0.025)
+    assert rates[1] == pytest.approx(1.0, abs=0.025)  # every failure at depth 1 was carried
+    assert rates[2] == pytest.approx(0.5)  # none at depth 2: the chain's rate, no less
+    assert tree_rates(engine, engine, trees, [4, 1])[1] == 0.5  # one node: no runner-up
+    # A sequence whose own chain rate is lower gains the same share of its failures.
+    carried = (rates[1] - 0.5) / 0.5
+    assert tree_rates([0.9, 0.2], engine, trees, [4, 4])[1] == pytest.approx(0.2 + 0.8 * carried)
+
+
+def test_tree_verifies_that_hold_no_more_than_chains_price_no_rescue():
+    """A runner-up that holds but whose path then ends (no children grown below it) carries
+    nothing: tree verifies measured at the chain's own rates price the tree as the chain."""
+    engine = [0.8, 0.6]
+    trees = AcceptanceModel(2, 0.7)
+    trees.judged, trees.hits = [1000.0, 1000.0], [800.0, 600.0]  # held at the chain's rates
+    assert tree_rates(engine, engine, trees, [4, 4]) == pytest.approx(engine, abs=0.01)
 
 
 def test_adaptive_prices_trees_against_chains_by_their_rows_and_rescues():

@@ -4,7 +4,8 @@
 drafts commits ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` tokens. Engine-wide rates come from
 counts decayed by ``ACCEPTANCE_DECAY`` per verify; a sequence's own counts are shrunk towards
 them with ``PRIOR_STRENGTH`` pseudo-verifies. A tree's depth j holds with ``a_j + (1 - a_j) s_j``
-(``RescueModel``: a runner-up's chance where the first choice fails); docs/controller.md.
+(``tree_rates``: ``s_j`` the share of first-choice failures a tree still carries); see
+docs/controller.md.
 """
 
 from __future__ import annotations
@@ -88,27 +89,23 @@ class AcceptanceModel:
         return rates
 
 
-class RescueModel:
-    """``s_j`` per tree depth: among verifies that reached depth j and rejected the draft's first
-    choice there, the share that accepted a runner-up. Before evidence a runner-up is taken to
-    hold as often as the first choice does there (``PRIOR_STRENGTH`` pseudo-trials at a_j)."""
-
-    def __init__(self, depth: int) -> None:
-        self.hits = [0.0] * depth
-        self.trials = [0.0] * depth
-        self.version = 0
-
-    def observe(self, depth: int, ranks: Sequence[int]) -> None:
-        """One tree verify: ``depth`` levels, the sibling rank of each accepted node."""
-        for j in range(min(len(ranks) + 1, depth, len(self.hits))):
-            if j == len(ranks) or ranks[j] > 0:  # a runner-up was needed: did one hold?
-                self.hits[j] = ACCEPTANCE_DECAY * self.hits[j] + (j < len(ranks))
-                self.trials[j] = ACCEPTANCE_DECAY * self.trials[j] + 1.0
-        self.version += 1
-
-    def tree_rates(self, chain: Sequence[float], widths: Sequence[int]) -> list[float]:
-        """A tree's per-depth rates from the chain's, where depth j holds ``widths[j]`` nodes."""
-        return [
-            a + (1.0 - a) * (h + PRIOR_STRENGTH * a) / (n + PRIOR_STRENGTH) if w > 1 else a
-            for a, h, n, w in zip(chain, self.hits, self.trials, widths, strict=False)
-        ]
+def tree_rates(
+    chain: Sequence[float], engine: Sequence[float], trees: AcceptanceModel, widths: Sequence[int]
+) -> list[float]:
+    """A tree's per-depth rates ``a_j + (1 - a_j) s_j`` from a sequence's chain rates ``chain``,
+    where depth j holds ``widths[j]`` nodes. ``s_j`` is the share of first-choice failures at
+    depth j that tree verifies (``trees``' counts) still carried past it: they held at depth j at
+    a rate ``T_j``, so with the engine-wide chain rate ``A_j``, ``s_j = (T_j - A_j) / (1 - A_j)``.
+    Measured this way it also counts a rescued path that ends early because the tree grew no
+    children below its runner-up. Before evidence a runner-up is taken to hold as often as the
+    first choice does (``T_j = A_j + (1 - A_j) A_j``, ``PRIOR_STRENGTH`` pseudo-verifies)."""
+    out = []
+    for j, (a, w) in enumerate(zip(chain, widths, strict=False)):
+        big_a = engine[j] if w > 1 else 1.0
+        if big_a >= 1.0:  # one node: no runner-up to count on
+            out.append(a)
+            continue
+        prior = big_a + (1.0 - big_a) * big_a
+        held = (trees.hits[j] + PRIOR_STRENGTH * prior) / (trees.judged[j] + PRIOR_STRENGTH)
+        out.append(a + (1.0 - a) * min(1.0, max(0.0, (held - big_a) / (1.0 - big_a))))
+    return out

@@ -21,8 +21,8 @@ from typing import Protocol
 
 from specdec.controller.estimates import (
     AcceptanceModel,
-    RescueModel,
     expected_tokens_table,
+    tree_rates,
 )
 from specdec.controller.step_cost import ForwardShape, StepCostModel
 from specdec.engine.sequence import Sequence
@@ -184,7 +184,8 @@ class AdaptivePolicy:
         self.k_max = k_max
         self.max_model_len = max_model_len
         self.acceptance = AcceptanceModel(k_max, initial_acceptance)
-        self.rescue = RescueModel(k_max) if tree_nodes else None
+        # the same counts over tree verifies: what trees measured beyond the chain's rates
+        self.tree_acceptance = AcceptanceModel(k_max, initial_acceptance) if tree_nodes else None
         self.tree_nodes = tree_nodes
         self._levels = (
             {k: tuple(tree_widths(k)) for k in range(2, k_max + 1)} if tree_widths else {}
@@ -245,7 +246,9 @@ class AdaptivePolicy:
         (``_trees``), kept between steps while neither the sequence's counts nor the engine-wide
         estimates moved (a batch held plain reuses all)."""
         cache, self._table_cache, out, self._trees = self._table_cache, {}, {}, {}
-        version = (self.acceptance.version, self.rescue.version if self.rescue else 0)
+        trees_seen = self.tree_acceptance
+        version = (self.acceptance.version, trees_seen.version if trees_seen else 0)
+        engine = self.acceptance.rates()
         for i, s in enumerate(seqs):
             if s.spec_mode == "off":
                 continue
@@ -253,8 +256,8 @@ class AdaptivePolicy:
             hit = cache.get(s.seq_id)
             if hit is None or hit[0] != key:
                 rates = self.acceptance.seq_rates(st.first_choices_per_pos(), st.judged_per_pos)
-                trees = [expected_tokens_table(self.rescue.tree_rates(rates, self._levels[k]))[-1]
-                         for k in self._levels] if self.rescue else []  # fmt: skip
+                trees = [expected_tokens_table(tree_rates(rates, engine, trees_seen, w))[-1]
+                         for w in self._levels.values()] if trees_seen else []  # fmt: skip
                 hit = (key, expected_tokens_table(rates), [0.0, 0.0, *trees])
             self._table_cache[s.seq_id] = hit
             out[i], self._trees[i] = hit[1], hit[2]
@@ -308,7 +311,7 @@ class AdaptivePolicy:
         seconds, value = price((0, (), 0, 0, 0), 0, 0, 0, 0.0, 0.0)
         out = [_Candidate(0, 0.0, value / seconds, seconds, pinned)]
         shapes = [(k, 0) for k in range(1, self.k_max + 1)]
-        shapes += [(k, self.tree_nodes) for k in self._levels if self.rescue]
+        shapes += [(k, self.tree_nodes) for k in self._levels if self.tree_acceptance]
         for k, tree_nodes in shapes:
             table = self._trees if tree_nodes else tables
             per_seq = sum(self._levels[k]) if tree_nodes else k
@@ -412,8 +415,8 @@ class AdaptivePolicy:
                 # The chain's estimate reads the tree's leading run of first choices.
                 first = next((j for j, r in enumerate(o.tree_ranks) if r), len(o.tree_ranks))
                 self.acceptance.observe(o.num_drafted, first)
-                if self.rescue is not None:
-                    self.rescue.observe(o.num_drafted, o.tree_ranks)
+                if self.tree_acceptance is not None:
+                    self.tree_acceptance.observe(o.num_drafted, o.num_accepted)
             elif o.num_drafted:
                 self.acceptance.observe(o.num_drafted, o.num_accepted)
         self.cost.observe(obs.target, obs.target_seconds, obs.draft_forwards, obs.draft_seconds)
