@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from specdec.evals.trees.bench_trees import TreeArm, markdown, summarize
+from specdec.evals.trees.bench_trees import TreeArm, main, markdown, parse_format, summarize
 
 
 def test_arm_syntax_and_errors():
@@ -28,7 +28,7 @@ def test_summary_compares_trees_with_the_chain_of_their_depth_and_the_fastest_ch
         run("code", "chain:3", 180, 3.0),
         run("code", "tree:8:3", 150, 3.6, equal=False),
     ]
-    result = {"formats": [{"dtype": "float32", "runs": runs}]}
+    result = {"formats": [{"format": "float32:none/none", "runs": runs}]}
     rows = {r["arm"]: r for r in summarize(result, arms)}
     assert rows["tree:8:3"]["tpf_vs_chain_of_depth"] == pytest.approx(3.6 / 3.0)
     assert rows["tree:8:3"]["speed_vs_fastest_chain"] == pytest.approx(180 / 150)
@@ -36,6 +36,24 @@ def test_summary_compares_trees_with_the_chain_of_their_depth_and_the_fastest_ch
     assert rows["tree:8:3"]["output_equals_plain"] is False
     result.update(command="c", commit="x", environment={"cpu": "cpu"}, cpu_flags="f", threads=2,
                   rounds=1, prompts_per_group=1, max_tokens=8, summary=list(rows.values()))  # fmt: skip
-    assert "| float32 | code | tree:8:3 | 150.0 | 3.60 | 1.200 | 1.200 | 2.000 | NO |" in markdown(
-        result
+    assert (
+        "| float32:none/none | code | tree:8:3 | 150.0 | 3.60 | 1.200 | 1.200 | 2.000 | NO |"
+        in markdown(result)
     )
+
+
+def test_formats_are_a_bare_dtype_or_the_formats_benchmarks_syntax():
+    assert parse_format("bfloat16").name == "bfloat16:none/auto"
+    assert parse_format("bfloat16:int8/int4").name == "bfloat16:int8/int4"
+    assert parse_format("float32:none/none@int8").kv_cache_dtype == "int8"
+    for bad in ("bfloat17", "bfloat16:int3/int4", "bfloat16:int8"):
+        with pytest.raises(ValueError):
+            parse_format(bad)
+
+
+def test_bad_formats_exit_2_before_loading_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--output-dir", str(tmp_path / "out"), "--formats", "bfloat16,bfloat16:int3/int4"])
+    assert e.value.code == 2
+    assert "int3" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,7 +1,8 @@
 """Token trees against chains at batch 1 on the real pair, greedy, side by side in one run.
 
-For each weight format the pair is loaded once; each prompt then runs every arm back to back, in
-an order rotated per prompt and round (so machine drift hits every arm alike): plain decode,
+For each weight format (a bare target dtype, or the formats benchmark's
+``dtype:quantization/draft_quantization[@kv_cache_dtype]``) the pair is loaded once; each prompt
+then runs every arm back to back, in an order rotated per prompt and round (so machine drift hits every arm alike): plain decode,
 chains of k drafts, and trees of N nodes k levels deep (fixed policy, every step speculates).
 Per arm: committed tokens per target forward and decode time per output token (prefill
 excluded). Every speculative arm's text must equal plain decode's (greedy output is exact).
@@ -12,6 +13,7 @@ excluded). Every speculative arm's text must equal plain decode's (greedy output
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.evals.environment import environment_info, git_commit
+from specdec.evals.formats.measure import Arm as FormatArm
 
 GROUPS = {"code": ("code_generation", "code_editing"), "chat": ("multi_turn_chat", "context_qa")}
 DEFAULT_ARMS = (
@@ -70,25 +73,28 @@ def load_prompts(per_group: int, tokenizer) -> list[tuple[str, str, list[int]]]:
     return out
 
 
+def parse_format(text: str) -> FormatArm:
+    """A bare dtype is that target dtype with the engine's default formats (target weights in the
+    dtype, the draft's format chosen for the CPU); anything else the formats benchmark's syntax."""
+    return FormatArm.parse(text if ":" in text else f"{text}:none/auto")
+
+
 def measure_format(
-    dtype: str, arms: list[TreeArm], per_group: int, max_tokens: int, rounds: int, threads: int
+    fmt: FormatArm,
+    arms: list[TreeArm],
+    per_group: int,
+    max_tokens: int,
+    rounds: int,
+    threads: int,
 ) -> dict:
     """Every (prompt, round) runs all arms in a rotated order on one loaded pair."""
-    from specdec.engine.config import EngineConfig
     from specdec.engine.llm_engine import LLMEngine
     from specdec.engine.sampling_params import SamplingParams
 
     from specdec.controller import FixedPolicy
 
-    config = EngineConfig(
-        device="cpu",
-        dtype=dtype,
-        num_threads=threads,
-        max_model_len=2048,
-        kv_cache_memory=1.0,
-        enable_prefix_caching=False,
-        speculative_policy="fixed",
-        controller_warmup=False,
+    config = dataclasses.replace(
+        fmt.config(threads), speculative_policy="fixed", controller_warmup=False
     )
     engine = LLMEngine(config, progress=False)
     assert engine.tokenizer is not None
@@ -127,7 +133,7 @@ def measure_format(
                     }
                 )
     return {
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "format": fmt.name,
         "runs": runs,
         "kv_blocks_leaked": engine.allocator.num_free_blocks != free0,
     }
@@ -162,7 +168,7 @@ def summarize(result: dict, arms: list[TreeArm]) -> list[dict]:
                 same_depth = f"chain:{arm.k}"
                 rows.append(
                     {
-                        "dtype": fmt["dtype"],
+                        "format": fmt["format"],
                         "group": group,
                         "arm": arm.name,
                         "ms_per_token": ms,
@@ -198,7 +204,7 @@ def markdown(result: dict) -> str:
 
     for r in result["summary"]:
         lines.append(
-            f"| {r['dtype']} | {r['group']} | {r['arm']} | {r['ms_per_token']:.1f} | "
+            f"| {r['format']} | {r['group']} | {r['arm']} | {r['ms_per_token']:.1f} | "
             f"{r['tokens_per_forward']:.2f} | {f(r['tpf_vs_chain_of_depth'])} | "
             f"{f(r['speed_vs_fastest_chain'])} | {r['speed_vs_plain']:.3f} | "
             f"{'yes' if r['output_equals_plain'] else 'NO'} |"
@@ -210,18 +216,18 @@ def plot(result: dict, path: Path) -> None:
     from specdec.evals.plots import _pyplot
 
     plt = _pyplot()
-    formats = sorted({r["dtype"] for r in result["summary"]})
+    formats = sorted({r["format"] for r in result["summary"]})
     fig, axes = plt.subplots(1, len(formats), figsize=(6 * len(formats), 4.5), squeeze=False)
-    for ax, dtype in zip(axes[0], formats, strict=True):
+    for ax, fmt in zip(axes[0], formats, strict=True):
         for group, marker in zip(GROUPS, "os", strict=False):
-            rows = [r for r in result["summary"] if r["dtype"] == dtype and r["group"] == group]
+            rows = [r for r in result["summary"] if r["format"] == fmt and r["group"] == group]
             for r in rows:
                 color = "tab:gray" if r["arm"] == "plain" else (
                     "tab:blue" if r["arm"].startswith("chain") else "tab:green"
                 )  # fmt: skip
                 ax.scatter(r["tokens_per_forward"], r["ms_per_token"], color=color, marker=marker)
                 ax.annotate(r["arm"], (r["tokens_per_forward"], r["ms_per_token"]), fontsize=7)
-        ax.set_title(f"{dtype} (o code, s chat; blue chains, green trees)")
+        ax.set_title(f"{fmt} (o code, s chat; blue chains, green trees)")
         ax.set_xlabel("tokens per target forward")
         ax.set_ylabel("ms per output token (lower is better)")
     fig.tight_layout()
@@ -232,22 +238,30 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--formats", default="float32,bfloat16", help="comma-separated dtypes")
+    parser.add_argument(
+        "--formats",
+        default="float32,bfloat16",
+        help="comma-separated target dtypes or DTYPE:QUANTIZATION/DRAFT_QUANTIZATION[@KV] formats",
+    )
     parser.add_argument("--arms", default=DEFAULT_ARMS, help="plain, chain:K, tree:N:K")
     parser.add_argument("--prompts-per-group", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    arms = [TreeArm.parse(a) for a in args.arms.split(",")]
+    try:
+        arms = [TreeArm.parse(a) for a in args.arms.split(",")]
+        formats = [parse_format(f) for f in args.formats.split(",")]
+    except ValueError as e:
+        parser.error(str(e))
     if "plain" not in [a.name for a in arms]:
         parser.error("--arms must include plain (the reference output)")
     from specdec.evals.cost_table import cpu_flags_summary
 
     started = time.perf_counter()
-    formats = [
-        measure_format(d, arms, args.prompts_per_group, args.max_tokens, args.rounds, args.threads)
-        for d in args.formats.split(",")
+    measured = [
+        measure_format(f, arms, args.prompts_per_group, args.max_tokens, args.rounds, args.threads)
+        for f in formats
     ]
     result = {
         "command": "python -m specdec.evals.trees.bench_trees " + " ".join(argv or sys.argv[1:]),
@@ -258,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "prompts_per_group": args.prompts_per_group,
         "max_tokens": args.max_tokens,
-        "formats": formats,
+        "formats": measured,
         "seconds": round(time.perf_counter() - started, 1),
     }
     result["summary"] = summarize(result, arms)
