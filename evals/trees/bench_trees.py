@@ -2,8 +2,9 @@
 
 For each weight format (a bare target dtype, or the formats benchmark's
 ``dtype:quantization/draft_quantization[@kv_cache_dtype]``) the pair is loaded once; each prompt
-then runs every arm back to back, in an order rotated per prompt and round (so machine drift hits every arm alike): plain decode,
-chains of k drafts, and trees of N nodes k levels deep (fixed policy, every step speculates).
+then runs every arm back to back, in an order rotated per prompt and round (so machine drift hits
+every arm alike): plain decode, chains of k drafts, and trees of N nodes k levels deep (fixed
+policy, every step speculates).
 Per arm: committed tokens per target forward and decode time per output token (prefill
 excluded). Every speculative arm's text must equal plain decode's (greedy output is exact).
 
