@@ -271,6 +271,30 @@ def test_a_lagging_draft_is_charged_the_seconds_of_its_catch_up_spread_over_its_
     assert extra == pytest.approx((lag_forward - kept_pace) / (20 / 1.5), rel=0.02)
 
 
+def test_draft_forwards_are_priced_with_the_keys_they_attend_to():
+    """A draft row attends to its sequence's whole context, as a verify row does: a step drafting
+    for long sequences is priced dearer by the attention its draft forwards do."""
+    policy = AdaptivePolicy(2, initial_acceptance=0.7, stop_drafts_early=False)
+    per_pair = 2e-6  # seconds per (query, key) pair in the draft; the target's are free
+    for _ in range(8):
+        for context in (64, 1024, 4096):
+            for rows in (1, 2, 4):
+                drafts = [ForwardShape(rows, rows, rows * context)]
+                seconds = 0.01 + per_pair * rows * context
+                policy.cost.observe(ForwardShape(rows, rows), 0.1, drafts, seconds)
+
+    def step_seconds(context: int) -> float:
+        seqs = make_seqs(2, context=context)  # each draft one token behind: kept pace
+        policy.decide(seqs, PrefillShape())
+        both_k2 = _Candidate(2, 1.0, 0.0, 0.0, pinned=[0, 0], drafting=[0, 1])
+        return policy._step(seqs, both_k2, PrefillShape())[0]
+
+    # Forward 0 reads each sequence's last token, forward 1 its first draft: 4 rows in all, each
+    # attending to about the whole context.
+    expected = per_pair * 4 * (4096 - 64)
+    assert step_seconds(4096) - step_seconds(64) == pytest.approx(expected, rel=0.1)
+
+
 def test_decisions_are_a_function_of_their_inputs():
     def trace(seed: int) -> list[list[int]]:
         policy = AdaptivePolicy(6, initial_acceptance=0.7)

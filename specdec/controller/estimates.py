@@ -30,11 +30,6 @@ def expected_tokens_table(acceptance: Sequence[float]) -> list[float]:
     return table
 
 
-def judged_positions(num_drafted: int, num_accepted: int) -> int:
-    """Positions a verify judged: the accepted ones and the first rejected one, if any."""
-    return min(num_accepted + 1, num_drafted)
-
-
 class AcceptanceModel:
     """Engine-wide conditional acceptance per draft position, and each sequence's estimate."""
 
@@ -56,7 +51,8 @@ class AcceptanceModel:
         """One verify of ``num_drafted`` drafts of which the first ``num_accepted`` held."""
         if num_drafted <= 0:
             return
-        judged = min(judged_positions(num_drafted, num_accepted), self.k_max)
+        # judged: the accepted positions and the first rejected one, if any
+        judged = min(num_accepted + 1, num_drafted, self.k_max)
         self.prior_weight *= ACCEPTANCE_DECAY
         for j in range(self.k_max):
             self.hits[j] *= ACCEPTANCE_DECAY

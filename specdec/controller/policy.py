@@ -220,11 +220,8 @@ class AdaptivePolicy:
             # A step with prompt chunks weighs their first tokens too and may draft less than the
             # held decision, never more: sequences it would start drafting would pay their
             # draft's catch-up for one step, and only a decode-only step moves the held decision.
-            candidates = [
-                c
-                for c in candidates
-                if c.k <= held.k and c.share <= held.share and c.tree_nodes <= held.tree_nodes
-            ]
+            fits = [c for c in candidates if c.k <= held.k and c.share <= held.share]
+            candidates = [c for c in fits if c.tree_nodes <= held.tree_nodes]
         best = max(candidates, key=lambda c: c.goodput)
         choice = held
         if best.goodput > held.goodput * (1.0 + MARGIN):
@@ -278,7 +275,7 @@ class AdaptivePolicy:
         for s, k, n in ((s, k, n) for s, k, n in zip(seqs, ks, nodes, strict=True) if k):
             table = self._table_cache[s.seq_id][2 if n else 1]
             catch_up, lag_seconds = self._catch_up(s, table[min(k, self.k_max)], amortize)
-            drafting.append((k, self._widths(k, n > 0), 1, catch_up, _sampled(s)))
+            drafting.append((k, self._widths(k, n > 0), *_member(s, catch_up)))
             seconds += lag_seconds
         if drafting and self.has_draft_model:
             seconds += self.cost.draft_time(_draft_forwards(drafting))
@@ -291,15 +288,14 @@ class AdaptivePolicy:
         over the batch."""
         base = _target_shape_of(seqs, pinned, prefill)
         base_value = FIRST_TOKEN_WEIGHT * prefill.seqs
-        on_catch_up, on_sampled, on_lag_seconds = 0, 0, 0.0
+        on_sums, on_lag_seconds = (0,) * 5, 0.0
         for i, (s, k) in enumerate(zip(seqs, pinned, strict=True)):
             base_value += tables[i][k] if i in tables else 1.0
             if k:
                 more_rows, more_seconds = self._catch_up(s, tables[i][k])
-                on_catch_up, on_lag_seconds = on_catch_up + more_rows, on_lag_seconds + more_seconds
-                on_sampled += _sampled(s)
-        num_on = sum(1 for k in pinned if k)
-        on = (self.k_max, self._widths(self.k_max, False), num_on, on_catch_up, on_sampled)
+                on_sums = tuple(map(sum, zip(on_sums, _member(s, more_rows), strict=True)))
+                on_lag_seconds += more_seconds
+        on, num_on = (self.k_max, self._widths(self.k_max, False), *on_sums), on_sums[0]
 
         def price(group, rows, att, samp, value, lag_seconds):
             more = ForwardShape(rows, 0, att, samp)
@@ -308,7 +304,7 @@ class AdaptivePolicy:
                 seconds += self.cost.draft_time(_draft_forwards([group, on]))
             return seconds, base_value + value
 
-        seconds, value = price((0, (), 0, 0, 0), 0, 0, 0, 0.0, 0.0)
+        seconds, value = price((0, (), 0, 0, 0, 0, 0), 0, 0, 0, 0.0, 0.0)
         out = [_Candidate(0, 0.0, value / seconds, seconds, pinned)]
         shapes = [(k, 0) for k in range(1, self.k_max + 1)]
         shapes += [(k, self.tree_nodes) for k in self._levels if self.tree_acceptance]
@@ -317,20 +313,20 @@ class AdaptivePolicy:
             per_seq = sum(self._levels[k]) if tree_nodes else k
             order = sorted(auto, key=lambda i: -table[i][k])
             counts = set(_counts(len(order)))
-            rows = att = samp = catch_up = drafts_sampled = 0
+            rows = att = samp = 0
             value = lag_seconds = 0.0
+            sums, widths = (0,) * 5, self._widths(k, tree_nodes > 0)
             for n, i in enumerate(order, start=1):
                 ctx = seqs[i].num_tokens
                 rows += per_seq
                 att += (1 + per_seq) * (ctx + k) - ctx
                 samp += per_seq * _sampled(seqs[i])
-                drafts_sampled += _sampled(seqs[i])
                 value += table[i][k] - 1.0
                 more_rows, more_seconds = self._catch_up(seqs[i], table[i][k])
-                catch_up, lag_seconds = catch_up + more_rows, lag_seconds + more_seconds
+                sums = tuple(map(sum, zip(sums, _member(seqs[i], more_rows), strict=True)))
+                lag_seconds += more_seconds
                 if n in counts:
-                    group = (k, self._widths(k, tree_nodes > 0), n, catch_up, drafts_sampled)
-                    seconds, total = price(group, rows, att, samp, value, lag_seconds)
+                    seconds, total = price((k, widths, *sums), rows, att, samp, value, lag_seconds)
                     goodput, share = total / seconds, n / len(order)
                     drafting = order[:n]
                     out.append(_Candidate(k, share, goodput, seconds, pinned, drafting, tree_nodes))
@@ -351,8 +347,9 @@ class AdaptivePolicy:
             left = self.max_model_len - seq.num_tokens
             if seq.params.max_tokens is not None:
                 left = min(left, seq.params.max_tokens - seq.num_output_tokens)
-            extra = self.cost.draft_time([ForwardShape(lag, 1)])
-            extra -= self.cost.draft_time([ForwardShape(_KEPT_PACE, 1)])
+            ctx = seq.num_tokens
+            extra = self.cost.draft_time([ForwardShape(lag, 1, lag * ctx)])
+            extra -= self.cost.draft_time([ForwardShape(_KEPT_PACE, 1, _KEPT_PACE * ctx)])
             self._lags[seq.seq_id] = (left, max(0.0, extra))
         left, extra = self._lags[seq.seq_id]
         return _KEPT_PACE, extra / max(1.0, left / expected)
@@ -404,7 +401,7 @@ class AdaptivePolicy:
             more = ForwardShape(m, 0, m * context, round(m * sampled))
             seconds = self.cost.target_time(base + more) - self.cost.target_time(base)
             if self.has_draft_model:
-                seconds += self.cost.draft_time([ForwardShape(m, m, 0, round(m * sampled))])
+                seconds += self.cost.draft_time([ForwardShape(m, m, more.attended, more.sampled)])
             marginal.append(seconds)
         rates = tuple(self.acceptance.rates())
         return DraftStop(rates, choice.goodput, tuple(marginal))
@@ -450,18 +447,22 @@ def _sampled(seq: Sequence) -> int:
     return 1 if seq.params.warped else 0
 
 
-def _draft_forwards(groups: Seq[tuple[int, Seq[int], int, int, int]]) -> list[ForwardShape]:
+def _member(seq: Sequence, catch_up: int) -> tuple[int, int, int, int, int]:
+    """One drafting sequence's share of its group's sums (see ``_draft_forwards``)."""
+    return 1, catch_up, _sampled(seq), seq.num_tokens, catch_up * seq.num_tokens
+
+
+def _draft_forwards(groups: Seq[Seq]) -> list[ForwardShape]:
     """The draft forwards of groups of drafting sequences (k, rows each sequence feeds forwards
-    1.. (a chain one token, a tree a level), sequences, catch-up rows, sampled sequences):
-    forward 0 feeds every group its catch-up, forward f > 0 each sequence's f-th rows."""
+    1.. (a chain one token, a tree a level), then the sums of ``_member``: sequences, catch-up
+    rows, sampled sequences, contexts, catch-up rows times context): forward 0 feeds every group
+    its catch-up, forward f > 0 each sequence's f-th rows, every row attending to its context."""
     groups = [g for g in groups if g[0] and g[2]]
-    rows, seqs, sampled = (sum(g[i] for g in groups) for i in (3, 2, 4))
-    forwards = [ForwardShape(rows, seqs, 0, sampled)]
+    forwards = [ForwardShape(*(sum(g[i] for g in groups) for i in (3, 2, 6, 4)))]
     for f in range(1, max((len(g[1]) for g in groups), default=0) + 1):
-        live = [(g[2], g[4], g[1][f - 1]) for g in groups if len(g[1]) >= f]
-        rows, seqs, sampled = (sum(n * w for n, _, w in live), sum(n for n, _, _ in live),
-                               sum(m * w for _, m, w in live))  # fmt: skip
-        forwards.append(ForwardShape(rows, seqs, 0, sampled))
+        live = [(g[2], g[4], g[5], g[1][f - 1]) for g in groups if len(g[1]) >= f]
+        parts = [(n * w, n, w * (c + n * f), m * w) for n, m, c, w in live]  # rows .. sampled
+        forwards.append(ForwardShape(*map(sum, zip(*parts, strict=True))))
     return forwards
 
 
