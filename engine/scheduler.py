@@ -233,10 +233,7 @@ class Scheduler:
 
     def _max_useful_k(self, seq: Sequence) -> int:
         """Drafts past max_tokens or max_model_len could never be committed: don't verify them."""
-        room = self.max_model_len - seq.num_tokens
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - seq.num_output_tokens)
-        return max(0, room - 1)
+        return max(0, seq.tokens_left(self.max_model_len) - 1)
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)

@@ -203,6 +203,13 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens the sequence may still commit before max_tokens or max_model_len ends it."""
+        left = max_model_len - self.num_tokens
+        if self.params.max_tokens is not None:
+            left = min(left, self.params.max_tokens - self.num_output_tokens)
+        return left
+
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]

@@ -344,9 +344,7 @@ class AdaptivePolicy:
         if not self.has_draft_model:
             return _KEPT_PACE, 0.0
         if seq.seq_id not in self._lags:  # what every k shares, priced once a step
-            left = self.max_model_len - seq.num_tokens
-            if seq.params.max_tokens is not None:
-                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            left = seq.tokens_left(self.max_model_len)
             ctx = seq.num_tokens
             extra = self.cost.draft_time([ForwardShape(lag, 1, lag * ctx)])
             extra -= self.cost.draft_time([ForwardShape(_KEPT_PACE, 1, _KEPT_PACE * ctx)])
