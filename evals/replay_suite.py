@@ -115,6 +115,20 @@ def _switch(traces: TraceSet, costs: StepCosts) -> Workload:
     return Workload(first + second, c)
 
 
+def _burst(traces: TraceSet, costs: StepCosts) -> Workload:
+    """Code requests two at a time, then sixteen at once: the decision the pairs left is held
+    when the burst's prompts and first decodes share steps."""
+    pool = code_pool(traces.requests)
+    pairs = build_requests("burst-pairs", pool, 8)
+    burst = build_requests("burst", pool, 16, start=8)
+    pair_seconds = plain_seconds_estimate(pairs[:2], 2, costs)
+    for i, r in enumerate(pairs):
+        r.arrival = (i // 2) * pair_seconds
+    for r in burst:
+        r.arrival = 4.5 * pair_seconds
+    return Workload(pairs + burst, None)
+
+
 def _long_prompts(traces: TraceSet, costs: StepCosts) -> Workload:
     c = 4
     reqs = build_requests(
@@ -158,6 +172,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario("slowdown", "code at T=0, 8 clients; the machine 30% slower mid-run", _slowdown),
         Scenario("stalls", "open at T=1, 4 clients; four single stalled steps", _stalls),
         Scenario("switch", "8 clients; code at T=0, then open at T=1", _switch),
+        Scenario("burst", "code at T=0: four pairs, then 16 requests at once", _burst),
         Scenario(
             "long_prompts", "code at T=0, 4 clients; prompts padded to 3840 tokens", _long_prompts
         ),

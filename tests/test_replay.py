@@ -296,7 +296,7 @@ def test_default_suite_names_every_policy_and_scenario():
     scenario_names = [s.name for s in default_scenarios()]
     for c in (1, 2, 4, 8, 16, 32, 64):
         assert f"code_c{c}" in scenario_names and f"open_c{c}" in scenario_names
-    for name in ("slowdown", "stalls", "switch", "long_prompts", "mixed"):
+    for name in ("slowdown", "stalls", "switch", "burst", "long_prompts", "mixed"):
         assert name in scenario_names
 
 
