@@ -3,7 +3,7 @@
 Plain decodes (one row per sequence) and uniform verifies (1 + k rows per sequence) are timed at
 batch sizes 1, 2, 4, ... up to ``max_num_seqs``, fewest rows first while the time budget lasts,
 plus decodes over a long context (so the fit can tell attention from weights) and, for a draft
-model, its 1- and 2-row forwards and two catch-ups. With token trees of up to N nodes, verifies
+model, its 1- and 2-row forwards and catch-ups up to the step budget. With token trees of up to N nodes, verifies
 run up to 1 + N rows per sequence and a tree's draft levels several rows per sequence, far past
 a chain's shapes, so those are timed too: a fit of chain shapes alone would extrapolate to them,
 and a forward's cost is not linear in its rows that far (bf16 products change kernel past 32
@@ -237,10 +237,11 @@ def measure(
         clock,
     )
     if draft is not None:
-        # Draft forwards of 1-2 rows per sequence, and two catch-ups of one sequence: a draft
-        # reading a prompt is compute-bound, its rows several times a decode row's price.
+        # Draft forwards of 1-2 rows per sequence, and catch-ups of one sequence up to the
+        # step's budget: a draft reading a prompt is compute-bound, its rows several times a
+        # decode row's price, and past a few dozen rows not linear in them.
         draft_shapes = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes)})
-        draft_shapes += [(1, 16, SHORT_CONTEXT), (1, 64, SHORT_CONTEXT)]
+        draft_shapes += [(1, r, SHORT_CONTEXT) for r in catch_up_rows(spec.max_rows)]
         levels = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes, spec.tree_nodes)})
         draft_shapes += [shape for shape in levels if shape not in draft_shapes]
         _run_in_budget(
@@ -284,6 +285,12 @@ def draft_grid(sizes: Iterable[int], tree_nodes: int = 0) -> list[tuple[int, int
     while rows[-1] * 2 <= tree_nodes // 2:
         rows.append(rows[-1] * 2)
     return [(s, r) for s in sizes for r in rows]
+
+
+def catch_up_rows(max_rows: int) -> list[int]:
+    """Rows of the draft's one-sequence catch-up reads timed: 16, 64, 256, ... and the budget."""
+    rows = [r for r in (4**i for i in range(2, 12)) if r < max_rows]
+    return [*rows, max_rows]
 
 
 def _verify_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[tuple[int, int, int]]:

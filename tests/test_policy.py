@@ -120,6 +120,44 @@ def test_a_stall_in_a_shape_never_measured_stays_out_of_the_fit():
     assert cost.target_time(ForwardShape(64, 1)) == pytest.approx(_machine(64, 1), rel=0.05)
 
 
+def test_cost_fit_weighs_relative_errors_so_big_steps_do_not_swamp_small_ones():
+    # Per-sequence work that the fit's one per-sequence term cannot carry out to prompt-sized
+    # steps: a misfit the fit must place somewhere. In absolute seconds the prompt steps' share of
+    # it would outweigh the decodes', whose prices would then miss by up to 20%.
+    def machine(rows: int, seqs: int) -> float:
+        return 0.05 + 0.0008 * rows + 0.003 * seqs * (rows < 64)
+
+    small = [(4, 1), (4, 4), (16, 4), (16, 16)]
+    cost = StepCostModel()
+    for _ in range(40):
+        for rows, seqs in [*small, (512, 1), (512, 16)]:
+            cost.observe(ForwardShape(rows, seqs), machine(rows, seqs), [], 0.0)
+    for rows, seqs in small:
+        assert cost.target_time(ForwardShape(rows, seqs)) == pytest.approx(
+            machine(rows, seqs), rel=0.05
+        )
+
+
+def test_one_catch_up_read_does_not_reprice_the_drafts_sampled_rows():
+    # The calibration times bare draft forwards (no sampled rows). A live step whose first draft
+    # forward reads hundreds of prompt rows for sampled requests, costlier than the fit
+    # extrapolates, must not move a kept-pace draft forward's price: the draft has no term of
+    # its own for sampled rows that could take up that misfit.
+    cost = StepCostModel()
+    calibration = [
+        ([ForwardShape(r * s, s, r * s * 32)], 0.008 + 0.0005 * r * s)
+        for s in (1, 2, 4, 8)
+        for r in (1, 2)
+    ]
+    calibration += [([ForwardShape(r, 1, r * (32 + r))], 0.008 + 0.0004 * r) for r in (16, 64)]
+    cost.draft.seed(calibration)
+    kept_pace = [ForwardShape(8, 4, 8 * 150, 4)]
+    before = cost.draft_time(kept_pace)
+    catch_up = [ForwardShape(505, 4, 4 * 126 * 126, 4), ForwardShape(4, 4, 4 * 130, 4)]
+    cost.observe(ForwardShape(8, 4, 8 * 130, 8), 0.1, catch_up, 0.5)
+    assert cost.draft_time(kept_pace) == pytest.approx(before, rel=0.25)
+
+
 def _run(policy, seqs, acceptance: float, draft_cost: float, steps: int, rng) -> list[list[int]]:
     """Steps of a synthetic machine: geometric acceptance, target cost `_machine`, each draft
     forward ``draft_cost`` seconds."""

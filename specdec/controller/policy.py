@@ -29,7 +29,7 @@ from specdec.engine.sequence import Sequence
 
 # Acceptance assumed per position before any verify was seen, per proposer: a same-family draft
 # model usually agrees with the target most of the time; prompt lookup less often.
-INITIAL_ACCEPTANCE = {"draft_model": 0.7, "ngram": 0.5}
+INITIAL_ACCEPTANCE = {"draft_model": 0.85, "ngram": 0.5}
 MARGIN = 0.03  # a new decision must be predicted 3% better: above the fit's step-to-step noise
 EXPLORE_INTERVAL = 64  # decode steps between re-measurements of the runner-up: <2% of the steps
 EXPLORE_BAND = 0.15  # only runners-up a plausible mispricing (<15%) could make the best are tried

@@ -3,8 +3,8 @@
 ``t(r, s, A, m) = speed * (W(r) + c_seq * s + c_attn * A + c_samp * m)`` for a forward of ``r``
 rows over ``s`` sequences attending to ``A`` (query, key) pairs with ``m`` sampled rows; ``W`` is
 piecewise linear and non-decreasing between knots at powers of two. A non-negative least squares
-over recent live steps and the start-up calibration fits it; ``speed`` is the machine's current
-pace. docs/controller.md states the model and the reason for each constant.
+of relative errors over recent live steps and the start-up calibration fits it; ``speed`` is the
+machine's current pace. docs/controller.md states the model and the reason for each constant.
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ def features(shapes: Iterable[ForwardShape]) -> np.ndarray:
 class ForwardCost:
     """The fitted time of one model's forwards (see the module docstring)."""
 
-    def __init__(self, prior_seconds: float) -> None:
+    def __init__(self, prior_seconds: float, prices_sampling: bool = True) -> None:
         # Until something is measured, a forward costs ``prior_seconds`` whatever its rows: a
         # weak guess that the first observations replace.
         self._prior = prior_seconds
+        # Whether sampled rows have a term of their own (else their cost is in the row term).
+        self._prices_sampling = prices_sampling
         self._live_x: deque[np.ndarray] = deque(maxlen=COST_WINDOW)
         self._live_y: deque[float] = deque(maxlen=COST_WINDOW)
         self._cal_x: list[np.ndarray] = []
@@ -120,9 +122,15 @@ class ForwardCost:
         rows, live = [*self._live_x, *self._cal_x], len(self._live_y)
         if not rows:
             return
-        x = np.stack(rows) @ _MONOTONE  # columns: W(1), the rises between knots, the coefficients
+        x = np.stack(rows)
+        if not self._prices_sampling:
+            x[:, -1] = 0.0
+        x = x @ _MONOTONE  # columns: W(1), the rises between knots, the coefficients
         y = np.array([*self._live_y, *self._cal_y])
-        w = np.sqrt([1.0] * live + [CALIBRATION_WEIGHT] * len(self._cal_y))
+        # Relative errors: a decision compares the goodputs of steps of every size, so a 10% miss
+        # on a 60 ms decode matters as much as one on a 2 s prompt step, which absolute errors
+        # would let dominate the fit.
+        w = np.sqrt([1.0] * live + [CALIBRATION_WEIGHT] * len(self._cal_y)) / np.maximum(y, 1e-6)
         beta = self._solve(x, y, w)
         # A live forward the fit misses by more than STALL_RATIO was interference, not a price
         # (whatever its shape, seen before or not): solved again without it.
@@ -167,7 +175,11 @@ class StepCostModel:
 
     def __init__(self, prior_target_seconds: float = 0.1, prior_draft_seconds: float = 0.03):
         self.target = ForwardCost(prior_target_seconds)
-        self.draft = ForwardCost(prior_draft_seconds)
+        # A draft row's sampling is a small, fixed share of its forward, which the row term
+        # carries. The calibration times bare forwards, so a separate term would be identified
+        # only by live steps, and one catch-up read (hundreds of rows, a few of them sampled)
+        # could load the forward's whole misfit onto it.
+        self.draft = ForwardCost(prior_draft_seconds, prices_sampling=False)
         self._ratios: deque[float] = deque(maxlen=SPEED_WINDOW)
         self.speed = 1.0
         # (target rows, sequences, draft rows) measured: a first one shows fit error, not pace
