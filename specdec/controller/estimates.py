@@ -4,8 +4,7 @@
 drafts commits ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` tokens. Engine-wide rates come from
 counts decayed by ``ACCEPTANCE_DECAY`` per verify; a sequence's own counts are shrunk towards
 them with ``PRIOR_STRENGTH`` pseudo-verifies. A tree's depth j holds with ``a_j + (1 - a_j) s_j``
-(``tree_rates``: ``s_j`` the share of first-choice failures a tree still carries); see
-docs/controller.md.
+(``tree_rates``: ``s_j`` the share of first-choice failures a tree still carries); docs/controller.md.
 """
 
 from __future__ import annotations

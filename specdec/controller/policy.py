@@ -27,14 +27,13 @@ from specdec.controller.estimates import (
 from specdec.controller.step_cost import ForwardShape, StepCostModel
 from specdec.engine.sequence import Sequence
 
-# Acceptance assumed per position before any verify was seen, per proposer: a same-family draft
-# model usually agrees with the target most of the time; prompt lookup less often.
+# Acceptance per position before any verify, per proposer: a guess too high costs a few verifies,
+# one too low holds plain decode, which measures nothing (a same-family draft: 0.55-0.95).
 INITIAL_ACCEPTANCE = {"draft_model": 0.85, "ngram": 0.5}
 MARGIN = 0.03  # a new decision must be predicted 3% better: above the fit's step-to-step noise
 EXPLORE_INTERVAL = 64  # decode steps between re-measurements of the runner-up: <2% of the steps
 EXPLORE_BAND = 0.15  # only runners-up a plausible mispricing (<15%) could make the best are tried
-# A first token is worth this many later tokens: a chat user sees nothing until it arrives, and
-# TTFT targets are commonly set at a few times the TPOT target.
+# A first token is worth this many later ones: TTFT targets are commonly a few TPOT targets.
 FIRST_TOKEN_WEIGHT = 4.0
 _COUNT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 _KEPT_PACE = 2  # draft rows after a verify: the bonus token, and the last accepted draft's
@@ -217,9 +216,8 @@ class AdaptivePolicy:
             return SpecDecision(held.ks, None, held.seconds, held.goodput)
         candidates = self._candidates(seqs, auto, tables, pinned, prefill)
         if not decode_only:
-            # A step with prompt chunks weighs their first tokens too and may draft less than the
-            # held decision, never more: sequences it would start drafting would pay their
-            # draft's catch-up for one step, and only a decode-only step moves the held decision.
+            # A step with prompt chunks may draft less than the held decision, never more: what
+            # it started would pay catch-ups for one step. Only decode-only steps move it.
             fits = [c for c in candidates if c.k <= held.k and c.share <= held.share]
             candidates = [c for c in fits if c.tree_nodes <= held.tree_nodes]
         best = max(candidates, key=lambda c: c.goodput)

@@ -68,8 +68,7 @@ class ForwardCost:
         # Until something is measured, a forward costs ``prior_seconds`` whatever its rows: a
         # weak guess that the first observations replace.
         self._prior = prior_seconds
-        # Whether sampled rows have a term of their own (else their cost is in the row term).
-        self._prices_sampling = prices_sampling
+        self._prices_sampling = prices_sampling  # else sampled rows cost what other rows do
         self._live_x: deque[np.ndarray] = deque(maxlen=COST_WINDOW)
         self._live_y: deque[float] = deque(maxlen=COST_WINDOW)
         self._cal_x: list[np.ndarray] = []
@@ -127,9 +126,8 @@ class ForwardCost:
             x[:, -1] = 0.0
         x = x @ _MONOTONE  # columns: W(1), the rises between knots, the coefficients
         y = np.array([*self._live_y, *self._cal_y])
-        # Relative errors: a decision compares the goodputs of steps of every size, so a 10% miss
-        # on a 60 ms decode matters as much as one on a 2 s prompt step, which absolute errors
-        # would let dominate the fit.
+        # Relative errors: decisions compare goodputs, so a 60 ms decode's 10% miss matters as
+        # much as a 2 s prompt step's, which in absolute seconds would dominate the fit.
         w = np.sqrt([1.0] * live + [CALIBRATION_WEIGHT] * len(self._cal_y)) / np.maximum(y, 1e-6)
         beta = self._solve(x, y, w)
         # A live forward the fit misses by more than STALL_RATIO was interference, not a price
@@ -175,10 +173,8 @@ class StepCostModel:
 
     def __init__(self, prior_target_seconds: float = 0.1, prior_draft_seconds: float = 0.03):
         self.target = ForwardCost(prior_target_seconds)
-        # A draft row's sampling is a small, fixed share of its forward, which the row term
-        # carries. The calibration times bare forwards, so a separate term would be identified
-        # only by live steps, and one catch-up read (hundreds of rows, a few of them sampled)
-        # could load the forward's whole misfit onto it.
+        # A draft row's sampling is a small share of its forward: the row term carries it. No
+        # calibration sample measures a term of its own, so one catch-up step could load it.
         self.draft = ForwardCost(prior_draft_seconds, prices_sampling=False)
         self._ratios: deque[float] = deque(maxlen=SPEED_WINDOW)
         self.speed = 1.0
