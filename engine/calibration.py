@@ -5,10 +5,9 @@ batch sizes 1, 2, 4, ... up to ``max_num_seqs``, fewest rows first while the tim
 plus decodes over a long context (so the fit can tell attention from weights) and, for a draft
 model, its 1- and 2-row forwards and one-sequence catch-ups up to the step budget. With token
 trees of up to N nodes, verifies run up to 1 + N rows per sequence and a tree's draft levels
-several rows per sequence, far past
-a chain's shapes, so those are timed too: a fit of chain shapes alone would extrapolate to them,
-and a forward's cost is not linear in its rows that far (bf16 products change kernel past 32
-rows). Each shape runs on temporary sequences whose blocks come from the allocator and go back
+several rows per sequence, far past a chain's shapes, so those are timed too: a fit of chain
+shapes alone would extrapolate to them, and a forward's cost is not linear in its rows that far
+(bf16 products change kernel past 32 rows). Each shape runs on temporary sequences whose blocks come from the allocator and go back
 to it (the free count returns to where it started); the keys before the timed rows are whatever
 the pool holds: the numbers are timings, never text.
 
