@@ -592,3 +592,29 @@ def test_gpu_check_cpu_smoke_runs_the_fp8_weights_stage(tmp_path) -> None:
     assert [r["batch"] for r in fp8["rows"]] and all(r["fp8_decode_ms"] > 0 for r in fp8["rows"])
     table = (tmp_path / "gpu_check_table.txt").read_text()
     assert "fp8 weights: logits rel err / top-1 vs bf16" in table
+
+
+def test_gpu_check_tree_entries_are_trees_of_the_asked_size_and_depth() -> None:
+    from specdec.engine.attention.base import tree_mask_from_parents
+    from specdec.evals.gpu_check.trees import tree_entry_parents
+
+    for nodes, depth in ((8, 4), (16, 4), (5, 4), (3, 4), (64, 4)):
+        parents = tree_entry_parents(nodes, depth)
+        assert len(parents) == nodes + 1 and parents[0] == -1
+        mask = tree_mask_from_parents(parents)  # raises unless each parent precedes its child
+        # A row sees itself and its ancestors: the deepest row sees depth + 1 rows (the root too).
+        assert int(mask.sum(1).max()) == min(depth, nodes) + 1
+    with pytest.raises(ValueError):
+        tree_entry_parents(0, 4)
+
+
+def test_gpu_check_cpu_smoke_times_tree_verifies(tmp_path) -> None:
+    stages = _smoke(tmp_path, "--only", "tree_timing")["stages"]
+    trees = stages["tree_timing"]
+    assert trees["status"] == "ok" and trees["pass"], trees
+    assert [r["batch"] for r in trees["rows"]] == [1, 2]
+    for row in trees["rows"]:
+        assert set(row["trees"]) == {"4", "8"}  # JSON keys
+        assert all(t["tree_ms"] > 0 and t["causal_same_rows_ms"] > 0 for t in row["trees"].values())
+    table = (tmp_path / "gpu_check_table.txt").read_text()
+    assert "tree 8 nodes verify / decode; / causal, batch 2" in table

@@ -44,6 +44,7 @@ from specdec.evals.gpu_check.timing import (
     stage_kernel_profile,
     stage_step_timing,
 )
+from specdec.evals.gpu_check.trees import stage_tree_timing
 
 Stage = Callable[[CheckContext], dict[str, Any]]
 
@@ -131,12 +132,16 @@ STAGES: list[tuple[str, Stage, float, bool, bool]] = [
     ("fp8_weights", stage_fp8_weights, 40, True, False),
     ("kernel_profile", stage_kernel_profile, 15, True, False),
     ("e2e", stage_e2e, 40, True, False),
+    ("tree_timing", stage_tree_timing, 30, True, False),
     ("engine_controller", stage_engine_controller, 60, True, False),
     ("graph_parity", stage_graph_parity, 30, True, True),
     ("sampling_parity", stage_sampling_parity, 20, True, False),
     ("model_parity", stage_model_parity, 60, True, False),
     ("engine_greedy", stage_engine_greedy, 40, True, False),
 ]
+
+# The stages that time the shared random-weight rig (`timing.get_rig`).
+RIG_STAGES = {"step_timing", "fp8_weights", "kernel_profile", "e2e", "tree_timing"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--ks", default="1,2,4,8")
     p.add_argument("--accept-rates", default="0.5,0.8,0.95")
+    p.add_argument("--tree-batch-sizes", default="1,4,16", help="tree_timing batch sizes")
+    p.add_argument("--tree-nodes", default="8,16,32,64", help="tree_timing nodes per tree")
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=30, help="timed repetitions per median")
     p.add_argument("--e2e-steps", type=int, default=16)
@@ -185,6 +192,8 @@ def make_context(args: argparse.Namespace) -> CheckContext:
         batch_sizes=[1, 2] if smoke else _ints(args.batch_sizes),
         ks=[1, 2] if smoke else _ints(args.ks),
         accept_rates=[float(a) for a in args.accept_rates.split(",")][: 1 if smoke else None],
+        tree_batch_sizes=[1, 2] if smoke else _ints(args.tree_batch_sizes),
+        tree_nodes=[4, 8] if smoke else _ints(args.tree_nodes),
         context_len=16 if smoke else args.context_len,
         iters=2 if smoke else args.iters,
         e2e_steps=2 if smoke else args.e2e_steps,
@@ -246,12 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         "stages": {},
     }
     only = {s for s in args.only.split(",") if s}
+    selected = [s for s in STAGES if not only or s[0] in only or s[0] in ("environment", "jit")]
+    last_rig_stage = max((i for i, s in enumerate(selected) if s[0] in RIG_STAGES), default=-1)
     path, table = None, ""
-    for name, fn, min_s, needs_fi, gpu_only in STAGES:
-        if only and name not in only and name not in ("environment", "jit"):
-            continue
+    for i, (name, fn, min_s, needs_fi, gpu_only) in enumerate(selected):
         run_stage(ctx, name, fn, min_s, needs_fi, gpu_only)
-        if name == "e2e":
+        if i == last_rig_stage:
             ctx.free_memory()  # the timing rig (models, pools, graphs) is not needed after this
         path = results_path(ctx)
         ctx.results["summary"] = summarize(ctx.results)

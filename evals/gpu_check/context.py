@@ -36,6 +36,8 @@ class CheckContext:
     engine_tokens: int
     engine_rounds: int
     deadline: float  # time.monotonic() after which stages are skipped
+    tree_batch_sizes: list[int] = field(default_factory=list)
+    tree_nodes: list[int] = field(default_factory=list)  # nodes per tree in tree_timing
     engine_gc_freeze: bool = False
     started: float = field(default_factory=time.monotonic)
     results: dict[str, Any] = field(default_factory=dict)

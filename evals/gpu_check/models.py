@@ -109,12 +109,14 @@ def eager_step(
     token_ids: Sequence[Sequence[int]],
     start_positions: Sequence[int],
     block_tables: Sequence[Sequence[int]],
+    tree_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:  # [sum of q_lens, vocab] float32, logits of every row
-    """One forward of a ragged batch without graphs (the engine's own path)."""
+    """One forward of a ragged batch without graphs (the engine's own path); `tree_masks` as
+    `build_attention_metadata` takes them."""
     device = backend.device
     q_lens = [len(t) for t in token_ids]
     kv_lens = [s + q for s, q in zip(start_positions, q_lens, strict=True)]
-    meta = build_attention_metadata(q_lens, kv_lens, block_tables, page_size, device)
+    meta = build_attention_metadata(q_lens, kv_lens, block_tables, page_size, device, tree_masks)
     ids = torch.tensor([t for row in token_ids for t in row], device=device)
     positions = torch.tensor(
         [s + j for s, q in zip(start_positions, q_lens, strict=True) for j in range(q)],

@@ -6,6 +6,8 @@ Targets (issue 7; random weights, 7B-class target, 0.5B-class draft, bf16):
   time per output token with oracle acceptance 0.8 at batch 1 >= 2 x better than plain;
   the adaptive controller keeps batch-64 throughput within 3% of plain (engine_controller: the
   whole engine loop, random draft, so acceptance is near 0 and speculation cannot pay).
+Token trees (issue 33) have no bar here: tree_timing reports a tree verify of N nodes over a plain
+decode step, and over a causal verify of as many rows (what the custom mask costs).
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def summarize(results: dict[str, Any]) -> list[Row]:
         value = f"{prof['kernels_per_step']:.0f} / {prof['kernel_us_per_step'] / 1e3:.2f} ms"
         add("batch-1 decode kernels / kernel time", value, "measured", None)
     _timing_rows(results, add)
+    for r in _stage(results, "tree_timing").get("rows", []):
+        for nodes, t in r["trees"].items():
+            value = f"{t['tree_vs_decode']:.3g} / {t['mask_cost']:.3g}"
+            name = f"tree {nodes} nodes verify / decode; / causal, batch {r['batch']}"
+            add(name, value, "info", None)
     fp8 = _stage(results, "fp8_weights")
     if fp8:
         value = f"{fp8['logits_relative_error']:.3g} / {fp8['top1_agreement']:.3g}"

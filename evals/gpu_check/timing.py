@@ -51,8 +51,9 @@ class Rig:
             random_model(self.t_arch, ctx.dtype, ctx.device, seed=TARGET_SEED)
         )
         self.draft = ctx.fast_model(random_model(self.d_arch, ctx.dtype, ctx.device, seed=22))
-        max_b, max_k = max(ctx.batch_sizes), max(ctx.ks)
-        max_tokens = ctx.context_len + (ctx.e2e_steps + 2) * (max_k + 1) + page
+        max_b, max_k = max(ctx.batch_sizes + ctx.tree_batch_sizes), max(ctx.ks)
+        new_rows = max((ctx.e2e_steps + 2) * (max_k + 1), max(ctx.tree_nodes, default=0) + 1)
+        max_tokens = ctx.context_len + new_rows + page
         pages = -(-max_tokens // page)
         num_blocks = max_b * pages + 1  # the last block is the graphs' scratch block
         self.tables = contiguous_tables(max_b, max_tokens, page)
