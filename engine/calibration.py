@@ -12,8 +12,8 @@ to it (the free count returns to where it started); the keys before the timed ro
 the pool holds: the numbers are timings, never text.
 
 A table is keyed by what sets the timings (processor or GPU model, dtype, threads, the model
-pair, the shapes asked for) and cached under ``$SPECDEC_HOME/calibration/``, so a restart on the
-same machine reads it instead of spending the budget again.
+pair, the spec and the plan of shapes it makes) and cached under ``$SPECDEC_HOME/calibration/``,
+so a restart on the same machine reads it instead of spending the budget again.
 """
 
 from __future__ import annotations
@@ -171,9 +171,11 @@ def cached_or_measured(
     clock: Clock = time.perf_counter,
 ) -> CostTable:
     """The cached table for this machine and spec, or a fresh measurement stored for next time."""
-    key = hashlib.sha256(
-        json.dumps({"machine": machine, "spec": asdict(spec)}, sort_keys=True).encode()
-    ).hexdigest()[:24]
+    # The plan joins the key: a change to the shapes timed (the code, not only the spec) makes
+    # a table of other shapes, which a fit would extrapolate where the new plan measures.
+    plan = calibration_plan(spec, draft is not None)
+    key_parts = {"machine": machine, "spec": asdict(spec), "plan": asdict(plan)}
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:24]
     path = (cache_dir or specdec_home() / "calibration") / f"{key}.json"
     if path.is_file():
         try:
@@ -219,33 +221,18 @@ def measure(
             table.samples.append(CostSample(name, seqs * rows, seqs, attended, seconds))
             return seconds
 
-    sizes = _batch_sizes(spec.max_num_seqs)
-    target_shapes = _verify_shapes(sizes, spec.k_max, spec.max_rows)
-    # Long-context decodes at the smallest and largest batch: attention against weights.
-    long_context = min(LONG_CONTEXT, spec.max_context - 1)
-    target_shapes += [(1, 1, long_context), (sizes[-1], 1, long_context)]
-    # Tree verifies after every chain's shape, so that a budget that runs out costs the fit the
-    # rarer shapes, not the chains' or the attention term's.
-    trees = _verify_shapes(sizes, max(spec.k_max, spec.tree_nodes), spec.max_rows)
-    target_shapes += [shape for shape in trees if shape not in target_shapes]
+    plan = calibration_plan(spec, draft is not None)
     budget_target = spec.budget_seconds * (0.7 if draft is not None else 1.0)
     _run_in_budget(
-        target_shapes,
+        plan.target,
         start,
         budget_target,
         lambda s, r, c: timed(target, "target", s, r, c, r),
         clock,
     )
     if draft is not None:
-        # Draft forwards of 1-2 rows per sequence, and catch-ups of one sequence up to the
-        # step's budget: a draft reading a prompt is compute-bound, its rows several times a
-        # decode row's price, and past a few dozen rows not linear in them.
-        draft_shapes = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes)})
-        draft_shapes += [(1, r, SHORT_CONTEXT) for r in catch_up_rows(spec.max_rows)]
-        levels = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes, spec.tree_nodes)})
-        draft_shapes += [shape for shape in levels if shape not in draft_shapes]
         _run_in_budget(
-            draft_shapes,
+            plan.draft,
             start,
             spec.budget_seconds,
             lambda s, r, c: timed(draft, "draft", s, r, c, 1),
@@ -256,6 +243,39 @@ def measure(
     table.seconds = clock() - start
     logger.info("step-cost table: %d shapes timed in %.1f s", len(table.samples), table.seconds)
     return table
+
+
+Shape = tuple[int, int, int]  # (sequences, rows each, context)
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """The shapes a calibration times, in order, while its budget lasts."""
+
+    target: list[Shape]
+    draft: list[Shape]
+
+
+def calibration_plan(spec: CalibrationSpec, with_draft: bool) -> CalibrationPlan:
+    sizes = _batch_sizes(spec.max_num_seqs)
+    target = _verify_shapes(sizes, spec.k_max, spec.max_rows)
+    # Long-context decodes at the smallest and largest batch: attention against weights.
+    long_context = min(LONG_CONTEXT, spec.max_context - 1)
+    target += [(1, 1, long_context), (sizes[-1], 1, long_context)]
+    # Tree verifies after every chain's shape, so that a budget that runs out costs the fit the
+    # rarer shapes, not the chains' or the attention term's.
+    trees = _verify_shapes(sizes, max(spec.k_max, spec.tree_nodes), spec.max_rows)
+    target += [shape for shape in trees if shape not in target]
+    if not with_draft:
+        return CalibrationPlan(target, [])
+    # Draft forwards of 1-2 rows per sequence, and catch-ups of one sequence up to the step's
+    # budget: a draft reading a prompt is compute-bound, its rows several times a decode row's
+    # price, and past a few dozen rows not linear in them.
+    draft = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes)})
+    draft += [(1, r, SHORT_CONTEXT) for r in catch_up_rows(spec.max_rows)]
+    levels = sorted({(s, r, SHORT_CONTEXT) for s, r in draft_grid(sizes, spec.tree_nodes)})
+    draft += [shape for shape in levels if shape not in draft]
+    return CalibrationPlan(target, draft)
 
 
 def _batch_sizes(max_num_seqs: int) -> list[int]:
@@ -293,7 +313,7 @@ def catch_up_rows(max_rows: int) -> list[int]:
     return [*rows, max_rows]
 
 
-def _verify_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[tuple[int, int, int]]:
+def _verify_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[Shape]:
     """(sequences, rows each, context) for every row count of the verify grid, fewest rows
     first; where several share a row count, the most sequences (the plain step when there is
     one, which every speculating choice is weighed against)."""
@@ -305,7 +325,7 @@ def _verify_shapes(sizes: list[int], k_max: int, max_rows: int) -> list[tuple[in
 
 
 def _run_in_budget(
-    shapes: list[tuple[int, int, int]],
+    shapes: list[Shape],
     start: float,
     deadline: float,
     measure_one: Callable[[int, int, int], float | None],

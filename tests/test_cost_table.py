@@ -144,3 +144,21 @@ def test_the_cache_key_follows_the_forward_code(tmp_path):
     assert forward_code_digest(tmp_path) != after_native
     machine = machine_description(torch.device("cpu"), torch.float32, ["t"])
     assert machine["forward_code"] == forward_code_digest()
+
+
+def test_the_cache_key_follows_the_plan_of_shapes(tmp_path, monkeypatch):
+    # A change to the shapes the calibration times (its code, with the same spec) must not read
+    # a table measured to the old plan: the fit would extrapolate where the new plan measures.
+    from specdec.engine import calibration
+
+    engine = _engine()
+    spec = CalibrationSpec(max_num_seqs=1, k_max=1, max_rows=32, budget_seconds=1.0, repeats=1)
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
+    args = (engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+    cached_or_measured(*args, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(calibration, "catch_up_rows", lambda max_rows: [16])
+    table = cached_or_measured(*args, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2  # measured to the new plan, stored apart
+    catch_ups = [s.rows for s in table.samples if s.model == "draft" and s.seqs == 1]
+    assert 32 not in catch_ups
