@@ -71,6 +71,21 @@ def test_sequence_estimate_shrinks_towards_engine_wide():
     assert few[0] > 0.5  # two unlucky verifies move it little
 
 
+def test_steps_that_verify_nothing_age_the_evidence_back_towards_the_guess():
+    model = AcceptanceModel(2, initial=0.8)
+    for i in range(60):
+        model.observe(1, 1 if i % 3 == 0 else 0)  # a third held
+    low, weight = model.rates()[0], model.prior_weight
+    assert low < 0.5
+    aged = []
+    for _ in range(600):
+        model.age()
+        aged.append(model.rates()[0])
+    assert model.prior_weight == weight  # the guess itself does not fade
+    assert all(b >= a for a, b in zip([low, *aged], aged, strict=False))
+    assert aged[-1] == pytest.approx(0.8, abs=0.02)
+
+
 def _machine(rows: int, seqs: int, attended: int = 0) -> float:
     """Memory-bound up to 16 rows, then linear: the CPU shape of a decoder forward."""
     return 0.1 + 0.004 * max(0, rows - 16) + 0.001 * seqs + 1e-9 * attended
@@ -200,6 +215,20 @@ def test_adaptive_speculates_where_it_pays_and_stays_plain_where_it_does_not():
     seqs = make_seqs(1)
     ks = _run(dear, seqs, acceptance=0.2, draft_cost=0.08, steps=200, rng=rng)
     assert sum(k[0] == 0 for k in ks[-50:]) >= 48  # exploration may run the runner-up once
+
+
+def test_plain_decode_held_on_poor_acceptance_tries_drafting_again_in_time():
+    # Plain decode measures no acceptance, and a one-step exploration adds little to firm
+    # evidence: without ageing, poor verifies early on (one request's, say) could hold plain
+    # for every request after them.
+    for seed in range(3):
+        rng = random.Random(seed)
+        policy = AdaptivePolicy(6, initial_acceptance=0.7, stop_drafts_early=False)
+        for i in range(40):
+            policy.acceptance.observe(1, int(i % 5 == 0))
+        ks = _run(policy, make_seqs(1), acceptance=0.9, draft_cost=0.05, steps=500, rng=rng)
+        assert not any(k[0] for k in ks[:32])
+        assert all(k[0] for k in ks[-100:])
 
 
 def test_adaptive_goes_plain_for_a_large_batch_on_a_compute_bound_machine():

@@ -2,9 +2,9 @@
 
 ``a_j`` is the chance that draft j is accepted given that drafts 1..j-1 were; a verify of k
 drafts commits ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i`` tokens. Engine-wide rates come from
-counts decayed by ``ACCEPTANCE_DECAY`` per verify; a sequence's own counts are shrunk towards
-them with ``PRIOR_STRENGTH`` pseudo-verifies. A tree's depth j holds with ``a_j + (1 - a_j) s_j``
-(``tree_rates``: ``s_j`` the share of first-choice failures a tree still carries); docs/controller.md.
+counts decayed by ``ACCEPTANCE_DECAY`` per verify and per step that verified nothing; a
+sequence's own counts are shrunk towards them with ``PRIOR_STRENGTH`` pseudo-verifies. A tree's
+depth j holds with ``a_j + (1 - a_j) s_j`` (``tree_rates``); docs/controller.md.
 """
 
 from __future__ import annotations
@@ -48,11 +48,17 @@ class AcceptanceModel:
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One verify of ``num_drafted`` drafts of which the first ``num_accepted`` held."""
-        if num_drafted <= 0:
-            return
-        # judged: the accepted positions and the first rejected one, if any
-        judged = min(num_accepted + 1, num_drafted, self.k_max)
-        self.prior_weight *= ACCEPTANCE_DECAY
+        if num_drafted > 0:
+            self.prior_weight *= ACCEPTANCE_DECAY
+            # judged: the accepted positions and the first rejected one, if any
+            self._fade(min(num_accepted + 1, num_drafted, self.k_max), num_accepted)
+
+    def age(self) -> None:
+        """A step that verified nothing: the counts fade as a verify's would and the guess does
+        not, so evidence against drafting, which plain decode never renews, gives way to it."""
+        self._fade(0, 0)
+
+    def _fade(self, judged: int, num_accepted: int) -> None:
         for j in range(self.k_max):
             self.hits[j] *= ACCEPTANCE_DECAY
             self.judged[j] *= ACCEPTANCE_DECAY
@@ -88,12 +94,10 @@ def tree_rates(
     chain: Sequence[float], engine: Sequence[float], trees: AcceptanceModel, widths: Sequence[int]
 ) -> list[float]:
     """A tree's per-depth rates ``a_j + (1 - a_j) s_j`` from a sequence's chain rates ``chain``,
-    where depth j holds ``widths[j]`` nodes. ``s_j`` is the share of first-choice failures at
-    depth j that tree verifies (``trees``' counts) still carried past it: they held at depth j at
-    a rate ``T_j``, so with the engine-wide chain rate ``A_j``, ``s_j = (T_j - A_j) / (1 - A_j)``.
-    Measured this way it also counts a rescued path that ends early because the tree grew no
-    children below its runner-up. Before evidence a runner-up is taken to hold as often as the
-    first choice does (``T_j = A_j + (1 - A_j) A_j``, ``PRIOR_STRENGTH`` pseudo-verifies)."""
+    depth j holding ``widths[j]`` nodes: ``s_j = (T_j - A_j) / (1 - A_j)``, the share of
+    first-choice failures that tree verifies (``trees``) carried past depth j, where they held at
+    ``T_j`` and chains at the engine-wide ``A_j`` (a rescued path that ends early for want of
+    children counts too). Before evidence, ``T_j = A_j + (1 - A_j) A_j`` (``PRIOR_STRENGTH``)."""
     out = []
     for j, (a, w) in enumerate(zip(chain, widths, strict=False)):
         big_a = engine[j] if w > 1 else 1.0

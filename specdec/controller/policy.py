@@ -92,9 +92,7 @@ class SpeculationPolicy(Protocol):
 
     # ks per decode-ready sequence (0: plain decode), given the step's prompt chunks
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision: ...
-
     def observe(self, obs: StepObservation) -> None: ...  # one measured step
-
     def stats(self) -> dict: ...  # current decision inputs and outputs, for metrics and logs
 
 
@@ -186,9 +184,7 @@ class AdaptivePolicy:
         # the same counts over tree verifies: what trees measured beyond the chain's rates
         self.tree_acceptance = AcceptanceModel(k_max, initial_acceptance) if tree_nodes else None
         self.tree_nodes = tree_nodes
-        self._levels = (
-            {k: tuple(tree_widths(k)) for k in range(2, k_max + 1)} if tree_widths else {}
-        )
+        self._levels = {k: tuple(tree_widths(k)) for k in range(2, k_max + 1) if tree_widths}
         self.cost = cost or StepCostModel()
         self.stop_drafts_early = stop_drafts_early and has_draft_model
         self.has_draft_model = has_draft_model  # a lookup proposer's drafts cost no forwards
@@ -230,16 +226,14 @@ class AdaptivePolicy:
             choice = self._runner_up(seqs, choice, candidates, prefill)
         ks = choice.ks
         self._last, self._last_goodput, self._last_seconds = ks, choice.goodput, choice.seconds
-        stop = None
-        if self.stop_drafts_early and any(ks[i] for i in auto) and not choice.tree_nodes:
-            stop = self._draft_stop(seqs, ks, choice, prefill)
+        stops = self.stop_drafts_early and any(ks[i] for i in auto) and not choice.tree_nodes
+        stop = self._draft_stop(seqs, ks, choice, prefill) if stops else None
         nodes = choice.nodes if choice.tree_nodes else None
         return SpecDecision(ks, stop, choice.seconds, choice.goodput, nodes)
 
     def _tables(self, seqs: Seq[Sequence]) -> dict[int, list[float]]:
         """E_i(0..k_max) of every sequence that may draft as chains (returned) and as trees
-        (``_trees``), kept between steps while neither the sequence's counts nor the engine-wide
-        estimates moved (a batch held plain reuses all)."""
+        (``_trees``), kept while neither its counts nor the engine-wide estimates moved."""
         cache, self._table_cache, out, self._trees = self._table_cache, {}, {}, {}
         trees_seen = self.tree_acceptance
         version = (self.acceptance.version, trees_seen.version if trees_seen else 0)
@@ -281,9 +275,8 @@ class AdaptivePolicy:
 
     def _candidates(self, seqs, auto, tables, pinned, prefill) -> list[_Candidate]:
         """Plain, and for every k (and shape) the n sequences of highest E_i(k) drafting k, for n
-        on a grid. Each candidate adds its drafting sequences' rows, attention and value to the
-        pinned step's as running sums, so pricing one costs two cost-model calls, not a pass
-        over the batch."""
+        on a grid, each priced from running sums of its drafting sequences' rows, attention and
+        value: two cost-model calls a candidate, not a pass over the batch."""
         base = _target_shape_of(seqs, pinned, prefill)
         base_value = FIRST_TOKEN_WEIGHT * prefill.seqs
         on_sums, on_lag_seconds = (0,) * 5, 0.0
@@ -311,8 +304,7 @@ class AdaptivePolicy:
             per_seq = sum(self._levels[k]) if tree_nodes else k
             order = sorted(auto, key=lambda i: -table[i][k])
             counts = set(_counts(len(order)))
-            rows = att = samp = 0
-            value = lag_seconds = 0.0
+            rows, att, samp, value, lag_seconds = 0, 0, 0, 0.0, 0.0
             sums, widths = (0,) * 5, self._widths(k, tree_nodes > 0)
             for n, i in enumerate(order, start=1):
                 ctx = seqs[i].num_tokens
@@ -403,6 +395,9 @@ class AdaptivePolicy:
         return DraftStop(rates, choice.goodput, tuple(marginal))
 
     def observe(self, obs: StepObservation) -> None:
+        if obs.outcomes and not any(o.num_drafted for o in obs.outcomes):
+            for model in filter(None, (self.acceptance, self.tree_acceptance)):
+                model.age()
         for o in obs.outcomes:
             if o.tree_ranks is not None and o.num_drafted:
                 # The chain's estimate reads the tree's leading run of first choices.
