@@ -388,11 +388,12 @@ class EngineShape:
 @dataclass
 class Workload:
     """Requests in submission order, and how they arrive: ``concurrency`` clients each sending its
-    next request when the last one finished (closed loop), or open loop at each request's
-    ``arrival`` when ``concurrency`` is None."""
+    next request when the last one finished (closed loop; ``grow_to`` (n, c): c clients once n
+    requests were sent), or open loop at each request's ``arrival`` when ``concurrency`` is None."""
 
     requests: list[ReplayRequest]
     concurrency: int | None
+    grow_to: tuple[int, int] | None = None
     slowdowns: list[tuple[float, float, float]] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
     stall_seconds: float = 0.0
@@ -448,9 +449,17 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
         engine.add_request(req.request_id, req.prompt, params, arrival_time=now)
         arrivals[req.request_id] = now
 
+    def clients() -> int:
+        grow = workload.grow_to
+        return grow[1] if grow and len(arrivals) >= grow[0] else workload.concurrency or 0
+
+    def fill_closed_loop(now: float) -> None:
+        while pending and len(arrivals) - len(finished) < clients():
+            submit(pending.popleft(), now)
+
+    finished: set[str] = set()
     if workload.concurrency is not None:
-        for _ in range(min(workload.concurrency, len(pending))):
-            submit(pending.popleft(), 0.0)
+        fill_closed_loop(0.0)
     idle = 0
     while pending or engine.has_unfinished():
         if workload.concurrency is None:
@@ -474,8 +483,9 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
                 if out.output_token_ids != req.path:
                     raise ReplayError(f"{out.request_id}: the engine left the recorded path")
                 tokens += len(out.output_token_ids)
-                if workload.concurrency is not None and pending:
-                    submit(pending.popleft(), now)
+                finished.add(out.request_id)
+        if workload.concurrency is not None:
+            fill_closed_loop(now)
     if engine.allocator.num_free_blocks != free_at_start:
         raise ReplayError(
             f"KV blocks leaked: {free_at_start - engine.allocator.num_free_blocks} not returned"

@@ -129,6 +129,15 @@ def _burst(traces: TraceSet, costs: StepCosts) -> Workload:
     return Workload(pairs + burst, None)
 
 
+def _ramp(traces: TraceSet, costs: StepCosts) -> Workload:
+    """Code requests from 8 clients, then from 16: the decision and the cost fit that 8 sequences
+    left meet a batch twice as large, as when a server's load grows (or a sweep's points follow
+    each other on one engine)."""
+    first = requests_for(8)
+    reqs = build_requests("ramp", code_pool(traces.requests), first + 4 * 16)
+    return Workload(reqs, 8, grow_to=(first, 16))
+
+
 def _long_prompts(traces: TraceSet, costs: StepCosts) -> Workload:
     c = 4
     reqs = build_requests(
@@ -173,6 +182,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario("stalls", "open at T=1, 4 clients; four single stalled steps", _stalls),
         Scenario("switch", "8 clients; code at T=0, then open at T=1", _switch),
         Scenario("burst", "code at T=0: four pairs, then 16 requests at once", _burst),
+        Scenario("ramp", "code at T=0: 16 requests from 8 clients, then 64 from 16", _ramp),
         Scenario(
             "long_prompts", "code at T=0, 4 clients; prompts padded to 3840 tokens", _long_prompts
         ),

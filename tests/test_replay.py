@@ -91,6 +91,36 @@ def test_replay_calls_the_plugged_in_policy_and_drafts_its_ks():
     assert engine.proposer.runner.num_forwards > 0
 
 
+class BatchRecordingPolicy(FixedPolicy):
+    """Fixed k that keeps the number of decode-ready sequences of every step."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.sizes: list[int] = []
+
+    def decide(self, seqs, prefill):
+        self.sizes.append(len(seqs))
+        return super().decide(seqs, prefill)
+
+
+def _batch_sizes(grow_to: tuple[int, int] | None) -> list[int]:
+    ctl = BatchRecordingPolicy(1)
+    reqs = [replay_request(synthetic_trace(f"r{i}", "code_generation", 0.0, MATCHES),
+                           f"q{i}", seed=0) for i in range(6)]  # fmt: skip
+    workload = Workload(reqs, 1, grow_to=grow_to)
+    result, _ = run_policy(workload, Policy("rec", lambda e: ctl), COSTS, SHAPE)
+    assert result.tokens == 6 * len(MATCHES)
+    return ctl.sizes
+
+
+def test_a_closed_loop_grows_to_more_clients_once_its_first_requests_were_sent():
+    assert max(_batch_sizes(None)) == 1
+    # One client until the second request is sent (when the first finished), then three.
+    sizes = _batch_sizes((2, 3))
+    grown = sizes.index(3)
+    assert grown > 1 and set(sizes[:grown]) == {1} and max(sizes) == 3
+
+
 class ShapeRecordingPolicy(FixedPolicy):
     """Fixed k that keeps what it is shown: each sequence's cost class and each measured step."""
 
@@ -296,7 +326,7 @@ def test_default_suite_names_every_policy_and_scenario():
     scenario_names = [s.name for s in default_scenarios()]
     for c in (1, 2, 4, 8, 16, 32, 64):
         assert f"code_c{c}" in scenario_names and f"open_c{c}" in scenario_names
-    for name in ("slowdown", "stalls", "switch", "burst", "long_prompts", "mixed"):
+    for name in ("slowdown", "stalls", "switch", "burst", "ramp", "long_prompts", "mixed"):
         assert name in scenario_names
 
 
