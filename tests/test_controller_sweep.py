@@ -328,17 +328,20 @@ def test_the_warm_up_is_sized_by_flags_and_kept_short_by_quick() -> None:
 
 
 def test_row_split_ratios_pair_shapes_of_one_round_with_their_groups_reference() -> None:
-    from specdec.evals.controller_sweep.row_split import SPLITS, paired_ratios
+    from specdec.evals.controller_sweep.row_split import LADDERS, all_shapes, paired_ratios
 
-    shapes = [s for group in SPLITS.values() for s in group]
+    shapes = all_shapes()
     slow = {s: 2.0 * s[0] * s[1] for s in shapes}  # a round twice as slow: same ratios
     fast = {s: s[0] * s[1] * (1.0 if s[1] == 1 else 0.5) for s in shapes}
     ratios = paired_ratios([slow, fast])
-    assert ratios[(16, 1)] == [1.0, 1.0]
-    assert ratios[(2, 8)] == [1.0, 0.5]
+    assert ratios[("16 rows", (16, 1))] == [1.0, 1.0]
+    assert ratios[("16 rows", (2, 8))] == [1.0, 0.5]
     # a shape missing from a round (the pool could not hold it) drops out of that round only
     del fast[(32, 1)]
-    assert paired_ratios([slow, fast])[(4, 8)] == [1.0]
+    assert paired_ratios([slow, fast])[("32 rows", (4, 8))] == [1.0]
+    # ladders: each verify over one row a sequence at the same sequence count
+    ladder = {s: s[0] * (1.0 + s[1]) for s in all_shapes(LADDERS)}
+    assert paired_ratios([ladder], LADDERS)[("8 sequences", (8, 3))] == [2.0]
 
 
 def test_tiny_row_split_writes_every_shape_and_frees_its_blocks(tmp_path) -> None:
@@ -353,7 +356,7 @@ def test_tiny_row_split_writes_every_shape_and_frees_its_blocks(tmp_path) -> Non
     assert {(r["seqs"], r["rows_each"]) for r in result["shapes"]} == set(all_shapes())
     assert result["dtype"] == "float32" and len(result["per_round_ms"]) == 2
     assert all(r["ratio_to_ref_median"] > 0 for r in result["shapes"])
-    assert "| 16 | 2 x 8 |" in (tmp_path / "row_split.md").read_text()
+    assert "| 16 rows | 2 x 8 |" in (tmp_path / "row_split.md").read_text()
 
 
 def test_row_split_refuses_rounds_below_one() -> None:

@@ -8,8 +8,11 @@ tells the two apart: it times forwards of equal total rows split as 1 x R, 2 x R
 sequences at one context, in rounds whose shape order is shuffled (seeded), and reports each
 shape's time over a reference shape's in the same round. A slow spell of a shared machine moves
 both sides of a paired ratio; a cost of the split shows as a ratio that stays off 1 in every round.
+``--groups ladders`` times verify ladders instead (1-4 rows a sequence at 8 and 16 sequences,
+over one row a sequence), the shapes whose ratios decide which draft length a cost table favours.
 
     python -m specdec.evals.controller_sweep.row_split --output-dir docs/results/controller
+    python -m specdec.evals.controller_sweep.row_split --groups ladders --context 32
     python -m specdec.evals.controller_sweep.row_split --tiny --rounds 3   # smoke run
 
 Every row keeps its logits, as a verify's do.
@@ -23,41 +26,52 @@ import sys
 from pathlib import Path
 from statistics import median
 
-# (sequences, rows each), grouped by total rows; the first of each group is its reference.
-SPLITS = {
-    8: ((8, 1), (4, 2), (2, 4), (1, 8)),
-    16: ((16, 1), (8, 2), (4, 4), (2, 8), (1, 16)),
-    14: ((14, 1), (2, 7)),
-    32: ((32, 1), (16, 2), (8, 4), (4, 8)),
+Shape = tuple[int, int]  # (sequences, rows each)
+# Each group's first shape is its reference. Splits: equal total rows over fewer sequences.
+SPLITS: dict[str, tuple[Shape, ...]] = {
+    "8 rows": ((8, 1), (4, 2), (2, 4), (1, 8)),
+    "16 rows": ((16, 1), (8, 2), (4, 4), (2, 8), (1, 16)),
+    "14 rows": ((14, 1), (2, 7)),
+    "32 rows": ((32, 1), (16, 2), (8, 4), (4, 8)),
 }
+# Ladders: plain decode and verifies of k = 1..3 at one sequence count.
+LADDERS: dict[str, tuple[Shape, ...]] = {
+    "8 sequences": ((8, 1), (8, 2), (8, 3), (8, 4)),
+    "16 sequences": ((16, 1), (16, 2), (16, 3), (16, 4)),
+}
+GROUPS = {"splits": SPLITS, "ladders": LADDERS}
 
 
-def all_shapes() -> list[tuple[int, int]]:
-    return [shape for group in SPLITS.values() for shape in group]
+def all_shapes(groups: dict[str, tuple[Shape, ...]] = SPLITS) -> list[Shape]:
+    return list(dict.fromkeys(shape for group in groups.values() for shape in group))
 
 
-def paired_ratios(rounds: list[dict[tuple[int, int], float]]) -> dict[tuple[int, int], list[float]]:
-    """Each shape's seconds over its group's reference shape's, one ratio per round."""
-    out: dict[tuple[int, int], list[float]] = {}
-    for group in SPLITS.values():
+def paired_ratios(
+    rounds: list[dict[Shape, float]], groups: dict[str, tuple[Shape, ...]] = SPLITS
+) -> dict[tuple[str, Shape], list[float]]:
+    """Each (group, shape)'s seconds over its group's reference shape's, one ratio per round."""
+    out: dict[tuple[str, Shape], list[float]] = {}
+    for name, group in groups.items():
         ref = group[0]
         for shape in group:
-            out[shape] = [r[shape] / r[ref] for r in rounds if shape in r and ref in r]
+            out[(name, shape)] = [r[shape] / r[ref] for r in rounds if shape in r and ref in r]
     return out
 
 
-def summarize(rounds: list[dict[tuple[int, int], float]], context: int) -> list[dict]:
-    ratios = paired_ratios(rounds)
+def summarize(
+    rounds: list[dict[Shape, float]], context: int, groups: dict[str, tuple[Shape, ...]]
+) -> list[dict]:
+    ratios = paired_ratios(rounds, groups)
     rows = []
-    for total, group in SPLITS.items():
+    for name, group in groups.items():
         for seqs, each in group:
             times = [r[(seqs, each)] for r in rounds if (seqs, each) in r]
             if not times:
                 continue
-            rs = ratios[(seqs, each)]
+            rs = ratios[(name, (seqs, each))]
             rows.append(
                 {
-                    "rows": total,
+                    "group": name,
                     "seqs": seqs,
                     "rows_each": each,
                     "context": context,
@@ -83,16 +97,16 @@ def markdown(result: dict) -> str:
         f" {result['threads']} threads, {result['dtype']}, {result['rounds']} rounds of fastest"
         f" of {result['repeats']}, context {result['context']}.",
         "",
-        "| rows | sequences x rows | median ms | range ms | / reference, median | range |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| group | sequences x rows | median ms | range ms | / reference, median | range |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for r in result["shapes"]:
         lines.append(
-            f"| {r['rows']} | {r['seqs']} x {r['rows_each']} | {r['median_ms']:.1f} |"
+            f"| {r['group']} | {r['seqs']} x {r['rows_each']} | {r['median_ms']:.1f} |"
             f" {r['min_ms']:.1f}-{r['max_ms']:.1f} | {r['ratio_to_ref_median']:.3f} |"
             f" {r['ratio_to_ref_min']:.2f}-{r['ratio_to_ref_max']:.2f} |"
         )
-    lines += ["", "The reference of each row count is its first line (one row a sequence)."]
+    lines += ["", "The reference of each group is its first line (one row a sequence)."]
     return "\n".join(lines) + "\n"
 
 
@@ -105,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of the shapes' order per round")
+    p.add_argument("--groups", choices=tuple(GROUPS), default="splits", help="which shapes")
     p.add_argument("--tiny", action="store_true", help="a tiny random-weight target instead")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1 or args.context < 0:
@@ -135,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     rounds: list[dict[tuple[int, int], float]] = []
     for i in range(args.rounds):
-        order = all_shapes()
+        order = all_shapes(GROUPS[args.groups])
         rng.shuffle(order)
         times = {}
         for seqs, each in order:
@@ -164,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "repeats": args.repeats,
         "context": args.context,
-        "shapes": summarize(rounds, args.context),
+        "groups": args.groups,
+        "shapes": summarize(rounds, args.context, GROUPS[args.groups]),
         "per_round_ms": [{f"{s}x{e}": 1e3 * t for (s, e), t in sorted(r.items())} for r in rounds],
     }
     text = markdown(result)
     print(text)
     if args.output_dir is not None:
-        write_result(args.output_dir, "row_split", result, text)
+        name = "row_split" if args.groups == "splits" else f"row_split_{args.groups}"
+        write_result(args.output_dir, name, result, text)
     return 0
 
 
