@@ -66,6 +66,15 @@ def result_header(module: str, argv: Sequence[str] | None, threads: int) -> dict
     }
 
 
+def provenance_line(result: dict) -> str:
+    """ "`command` at commit X; CPU (vector flags), N threads" of a ``result_header`` result."""
+    env = result["environment"]
+    return (
+        f"`{result['command']}` at commit {result['commit']}; {env['cpu']}"
+        f" ({result['cpu_flags']}), {result['threads']} threads"
+    )
+
+
 def write_result(output_dir: Path, name: str, result: dict, markdown: str) -> None:
     """``name.json`` and ``name.md`` in ``output_dir`` (made where missing)."""
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -89,12 +89,13 @@ def summarize(
 
 
 def markdown(result: dict) -> str:
-    env = result["environment"]
+    from specdec.evals.environment import provenance_line
+
+    title = "Forward time by how rows split over sequences"
     lines = [
-        "# Forward time by how rows split over sequences",
+        f"# {title}",
         "",
-        f"`{result['command']}` at commit {result['commit']}; {env['cpu']} ({result['cpu_flags']}),"
-        f" {result['threads']} threads, {result['dtype']}, {result['rounds']} rounds of fastest"
+        f"{provenance_line(result)}, {result['dtype']}, {result['rounds']} rounds of fastest"
         f" of {result['repeats']}, context {result['context']}.",
         "",
         "| group | sequences x rows | median ms | range ms | / reference, median | range |",
