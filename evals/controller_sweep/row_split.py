@@ -40,6 +40,10 @@ LADDERS: dict[str, tuple[Shape, ...]] = {
     "16 sequences": ((16, 1), (16, 2), (16, 3), (16, 4)),
 }
 GROUPS = {"splits": SPLITS, "ladders": LADDERS}
+TITLES = {
+    "splits": "Forward time by how rows split over sequences",
+    "ladders": "Forward time by verify rows a sequence",
+}
 
 
 def all_shapes(groups: dict[str, tuple[Shape, ...]] = SPLITS) -> list[Shape]:
@@ -91,9 +95,8 @@ def summarize(
 def markdown(result: dict) -> str:
     from specdec.evals.environment import provenance_line
 
-    title = "Forward time by how rows split over sequences"
     lines = [
-        f"# {title}",
+        f"# {TITLES[result['groups']]}",
         "",
         f"{provenance_line(result)}, {result['dtype']}, {result['rounds']} rounds of fastest"
         f" of {result['repeats']}, context {result['context']}.",
@@ -113,7 +116,12 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--output-dir", type=Path, default=None, help="write row_split.json/.md here")
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="write the result here (row_split.*, row_split_ladders.*)",
+    )
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="forwards per shape a round (fastest)")
     p.add_argument("--context", type=int, default=128, help="keys before each sequence's rows")
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     time_forward(runner, allocator, 1, 1, 1, context=args.context)  # one-off allocations
 
     rng = random.Random(args.seed)
-    rounds: list[dict[tuple[int, int], float]] = []
+    rounds: list[dict[Shape, float]] = []
     for i in range(args.rounds):
         order = all_shapes(GROUPS[args.groups])
         rng.shuffle(order)
