@@ -1,8 +1,8 @@
 """The machine's measured step-cost table, and the step times the replay reads from it.
 
-Measured (``measure_cost_table``) with the policy's own calibration timer
-(``specdec.engine.calibration.time_forward``: fastest of a few bare forwards over temporary
-sequences from the engine's allocator):
+Measured (``measure_cost_table``: each shape's median over shuffled rounds) with the policy's own
+calibration timer (``specdec.engine.calibration.time_forward``: fastest of a few bare forwards
+over temporary sequences from the engine's allocator):
 
 - ``target``: forwards by (sequences, rows) at a short context, every uniform verify shape up to
   ``MAX_K + 1`` rows per sequence at 1-32 sequences and the token trees' verifies at 2-32 (1 + N
@@ -26,6 +26,7 @@ entries (the prefill-context points; the decode slope where a table has none).
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections.abc import Sequence
 
 MAX_K = 6
@@ -48,79 +49,91 @@ def cpu_flags_summary() -> str:
     return vector_flags_summary()
 
 
-def measure_cost_table(target_engine, draft_engine, repeats: int = 2, passes: int = 3) -> dict:
+def measure_cost_table(
+    target_engine, draft_engine, repeats: int = 2, rounds: int = 5, seed: int = 0
+) -> dict:
     """Time every shape above on two plain engines (the target's and the draft's runner and
-    allocator), keeping each shape's fastest over ``passes`` sweeps of the whole grid: a slow
-    spell of a shared machine lasts seconds, so it covers neighbouring shapes of one sweep
-    (repeats back to back share it) but seldom the same shape in every sweep. Shapes the pool
-    cannot hold are skipped."""
-    tables = [_measure_once(target_engine, draft_engine, repeats) for _ in range(passes)]
-    merged = tables[0]
-    for table in tables[1:]:
-        for kind, rows in merged.items():
-            for row, other in zip(rows, table[kind], strict=True):
-                row["seconds"] = min(row["seconds"], other["seconds"])
-    return merged
+    allocator) in ``rounds`` rounds, each visiting all shapes once in a fresh shuffled order, and
+    keep each shape's median over the rounds (``seconds``; each round's value, the fastest of
+    ``repeats`` back-to-back forwards, in ``rounds``). A slow spell of a shared machine lasts
+    seconds: in a fixed order it falls on neighbouring shapes of one pass, and a fastest over
+    passes keeps whichever shapes a fast spell met, so a ladder of verify shapes rises by
+    uneven steps; shuffled, a spell falls on shapes at random, and the median drops it. Shapes
+    the pool cannot hold are skipped."""
+    import random
 
-
-def _measure_once(target_engine, draft_engine, repeats: int) -> dict:
-    import time
-
-    import torch
-    from specdec.engine.calibration import draft_grid, time_forward, verify_grid
-    from specdec.engine.gpu_sampling import probs_for_rows, sample_from_probs
-    from specdec.engine.sampling import RowContext, greedy_picks
-    from specdec.engine.sampling_params import SamplingParams
-
-    verify_rows = {*range(1, MAX_K + 2), *(1 + n for n in TREE_NODES)}
-
-    def sweep(engine, shapes, context, logits_all: bool) -> list[dict]:
-        out = []
-        for seqs, rows in shapes:
-            if context + rows > engine.target.arch.max_position_embeddings:
-                continue
-            # verify shapes keep every row's logits, prefill chunks and drafts only the last
-            logits = rows if logits_all and rows in verify_rows else 1
-            t = time_forward(
-                engine.target_runner,
-                engine.allocator,
-                seqs,
-                rows,
-                logits,
-                context=context,
-                repeats=repeats,
-                exact_context=True,
-            )
+    jobs = _timing_jobs(target_engine, draft_engine)
+    samples: list[list[float]] = [[] for _ in jobs]
+    order = list(range(len(jobs)))
+    shuffle = random.Random(seed).shuffle
+    for engine in (target_engine, draft_engine):  # the first forwards pay one-off allocations
+        _time_job(engine, (1, 1), SHORT_CONTEXT, 1)
+    for _ in range(rounds):
+        shuffle(order)
+        for i in order:
+            t = _time_job(*jobs[i][1:], repeats)
             if t is not None:
-                out.append({"seqs": seqs, "rows": seqs * rows, "context": context, "seconds": t})
-        return out
+                samples[i].append(t)
+    table: dict = {kind: [] for kind, *_ in jobs}
+    for (kind, _, (seqs, rows), context, _), times in zip(jobs, samples, strict=True):
+        if times:
+            row = {"seqs": seqs, "rows": seqs * rows, "context": context}
+            table[kind].append(dict(row, seconds=statistics.median(times), rounds=times))
+    table["sampling"] = _sampling_times(target_engine, repeats)
+    return table
+
+
+def _timing_jobs(target_engine, draft_engine) -> list[tuple]:
+    """(table key, engine, (sequences, rows each), context, logits rows) of every shape timed."""
+    from specdec.engine.calibration import draft_grid, verify_grid
 
     max_rows = target_engine.config.max_num_batched_tokens
+    verify_rows = {*range(1, MAX_K + 2), *(1 + n for n in TREE_NODES)}
     grid = verify_grid(BATCH_SIZES, MAX_K, max_rows)
     # Trees over two sequences and more: one sequence's curve is the prompt chunks' (one logits
     # row each), and a tree's 1 + N logits rows among them would price the chunks of nearby rows.
     grid += [(s, 1 + n) for s in BATCH_SIZES[1:] for n in TREE_NODES if s * (1 + n) <= max_rows]
     grid += [(1, r) for r in PREFILL_ROWS if r > MAX_K + 1 and r <= max_rows]
-    # warm-up: the first forwards pay one-off allocations
-    sweep(target_engine, [(1, 1)], SHORT_CONTEXT, True)
-    sweep(draft_engine, [(1, 1)], SHORT_CONTEXT, False)
-    table: dict = {"target": sweep(target_engine, grid, SHORT_CONTEXT, True)}
-    table["target_context"] = [
-        row for c in CONTEXTS for row in sweep(target_engine, CONTEXT_SHAPES, c, True)
-    ]
-    # Prefill chunks after a long context: attention there is compute-bound, priced apart.
-    table["target_prefill_context"] = [
-        row for c in PREFILL_CONTEXTS for row in sweep(target_engine, [(1, 512)], c, False)
-    ]
     draft_shapes = draft_grid(BATCH_SIZES, max(TREE_NODES)) + [(1, r) for r in DRAFT_CATCH_UP_ROWS]
-    table["draft"] = sweep(draft_engine, draft_shapes, SHORT_CONTEXT, False)
-    table["draft_context"] = [
-        row for c in CONTEXTS for row in sweep(draft_engine, DRAFT_CONTEXT_SHAPES, c, False)
+    by_kind = [
+        ("target", target_engine, grid, (SHORT_CONTEXT,), True),
+        ("target_context", target_engine, CONTEXT_SHAPES, CONTEXTS, True),
+        # Prefill chunks after a long context: attention there is compute-bound, priced apart.
+        ("target_prefill_context", target_engine, [(1, 512)], PREFILL_CONTEXTS, False),
+        ("draft", draft_engine, draft_shapes, (SHORT_CONTEXT,), False),
+        ("draft_context", draft_engine, DRAFT_CONTEXT_SHAPES, CONTEXTS, False),
+        ("draft_prefill_context", draft_engine, [(1, 512)], PREFILL_CONTEXTS, False),
     ]
-    table["draft_prefill_context"] = [
-        row for c in PREFILL_CONTEXTS for row in sweep(draft_engine, [(1, 512)], c, False)
+    return [
+        # verify shapes keep every row's logits, prefill chunks and drafts only the last
+        (kind, engine, shape, c, shape[1] if logits_all and shape[1] in verify_rows else 1)
+        for kind, engine, shapes, contexts, logits_all in by_kind
+        for c in contexts
+        for shape in shapes
+        if c + shape[1] <= engine.target.arch.max_position_embeddings
     ]
-    # The engine's sampling over the real vocabulary: warp, then draw (greedy: the argmax).
+
+
+def _time_job(engine, shape: tuple[int, int], context: int, logits: int, repeats: int = 1):
+    from specdec.engine.calibration import time_forward
+
+    seqs, rows = shape
+    return time_forward(
+        engine.target_runner, engine.allocator, seqs, rows, logits,
+        context=context, repeats=repeats, exact_context=True,
+    )  # fmt: skip
+
+
+def _sampling_times(target_engine, repeats: int) -> list[dict]:
+    """The engine's sampling over the real vocabulary by rows: warp, then draw (greedy: the
+    argmax), the fastest of a few."""
+    import time
+
+    import torch
+    from specdec.engine.gpu_sampling import probs_for_rows, sample_from_probs
+    from specdec.engine.sampling import RowContext, greedy_picks
+    from specdec.engine.sampling_params import SamplingParams
+
     vocab = target_engine.target_runner.vocab_size
     sampling = []
     for temperature in (0.0, 1.0):
@@ -135,8 +148,7 @@ def _measure_once(target_engine, draft_engine, repeats: int) -> dict:
                     sample_from_probs(probs, [False] * rows, [None] * rows, [0] * rows)
                 best = min(best, time.perf_counter() - t0)
             sampling.append({"rows": rows, "temperature": temperature, "seconds": best})
-    table["sampling"] = sampling
-    return table
+    return sampling
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

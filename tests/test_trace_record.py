@@ -96,6 +96,32 @@ def test_cost_table_times_every_kind_of_shape_on_a_tiny_pair():
     assert after == free
 
 
+def test_cost_table_rounds_visit_every_shape_in_a_fresh_order_and_keep_the_median(monkeypatch):
+    """A slow spell falls on shapes at random, not on the same neighbours each round, and each
+    shape keeps its median over the rounds beside every round's value."""
+    from specdec.evals import cost_table
+
+    target, draft = tiny_pair()
+    target_engine = plain_engine(target, 0.05, 4, 0)
+    draft_engine = plain_engine(draft, 0.05, 4, 0)
+    visits: list[tuple] = []
+
+    def fake_time(engine, shape, context, logits, repeats=1):
+        visits.append((id(engine), shape, context))
+        return float(len(visits))  # a clock: a later visit takes longer
+
+    monkeypatch.setattr(cost_table, "_time_job", fake_time)
+    table = cost_table.measure_cost_table(target_engine, draft_engine, rounds=3)
+    jobs = len(cost_table._timing_jobs(target_engine, draft_engine))
+    rounds = [visits[2 + r * jobs : 2 + (r + 1) * jobs] for r in range(3)]  # after 2 warm-ups
+    assert all(sorted(r, key=str) == sorted(rounds[0], key=str) for r in rounds)
+    assert rounds[0] != rounds[1] != rounds[2]
+    rows = [row for kind, rs in table.items() if kind != "sampling" for row in rs]
+    assert len(rows) == jobs
+    assert all(len(row["rounds"]) == 3 for row in rows)
+    assert all(row["seconds"] == sorted(row["rounds"])[1] for row in rows)
+
+
 def test_draft_side_ranks_only_the_tokens_its_pruned_head_keeps(tmp_path):
     """A trace of a pruned draft holds what the engine drafts from: q over the kept ids only,
     the same ranking as the full head's logits restricted to them."""
