@@ -365,3 +365,74 @@ def test_row_split_refuses_rounds_below_one() -> None:
     with pytest.raises(SystemExit) as e:
         row_split_main(["--tiny", "--rounds", "0"])
     assert e.value.code == 2
+
+
+TRACES_BF16 = "evals/data/traces_bf16_int4"
+TABLE_WITH_ROUNDS = f"{TRACES_BF16}/cost_table_zen5_b970af4.json"
+
+
+def test_table_noise_resamples_each_shape_from_its_own_rounds() -> None:
+    import random
+
+    from specdec.evals.controller_sweep.table_noise import has_resampleable_rounds, resampled
+
+    table = {
+        "cost_table": {
+            "target": [{"seqs": 1, "rows": 1, "seconds": 2.0, "rounds": [1.0, 2.0, 9.0]}],
+            "draft": [{"seqs": 1, "rows": 1, "seconds": 0.5, "rounds": [0.5, 0.5, 0.5]}],
+            "sampling": [{"rows": 1, "temperature": 0.0, "seconds": 0.1}],
+        }
+    }
+    assert has_resampleable_rounds(table["cost_table"])
+    draws = [resampled(table, random.Random(seed)) for seed in range(20)]
+    target_seconds = {d["cost_table"]["target"][0]["seconds"] for d in draws}
+    assert target_seconds <= {1.0, 2.0, 9.0} and len(target_seconds) > 1
+    assert all(d["cost_table"]["draft"][0]["seconds"] == 0.5 for d in draws)
+    assert all(d["cost_table"]["sampling"] == table["cost_table"]["sampling"] for d in draws)
+    assert table["cost_table"]["target"][0]["seconds"] == 2.0  # the input is left as it was
+    assert resampled(table, random.Random(3)) == resampled(table, random.Random(3))
+    del table["cost_table"]["draft"][0]["rounds"]
+    assert not has_resampleable_rounds(table["cost_table"])
+
+
+def test_table_noise_verdict_checks_plain_only_where_no_fixed_arm_beats_it() -> None:
+    from specdec.evals.controller_sweep.table_noise import verdict
+
+    arms = {f"fixed_k{k}": 10.0 + k for k in range(1, 7)}
+    spec = verdict({"plain": 8.0, "adaptive": 15.0, **arms})
+    assert spec["best_fixed"] == "fixed_k6" and spec["adaptive_over_best"] == 15.0 / 16.0
+    assert spec["adaptive_over_plain"] is None
+    plain = verdict({"plain": 20.0, "adaptive": 19.0, **arms})
+    assert plain["adaptive_over_best"] == plain["adaptive_over_plain"] == 19.0 / 20.0
+
+
+def test_table_noise_writes_a_verdict_and_its_spread_per_scenario(tmp_path) -> None:
+    from specdec.evals.controller_sweep.table_noise import main as noise_main
+
+    args = ["--traces", TRACES_BF16, "--cost-table-from", TABLE_WITH_ROUNDS, "--resamples", "2"]
+    args += ["--scenarios", "code_c1", "--workers", "1", "--output-dir", str(tmp_path)]
+    assert noise_main(args) == 0
+    result = json.loads((tmp_path / "table_noise.json").read_text())
+    (row,) = result["scenarios"]
+    assert row["scenario"] == "code_c1" and len(row["resampled_over_best"]) == 2
+    assert sum(row["resampled_best_fixed"].values()) == 2
+    assert len(result["tokens_per_s"]) == 3  # the measured table, then the two resamples
+    assert "| code_c1 |" in (tmp_path / "table_noise.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--resamples", "0"], "--resamples and --workers must be >= 1"),
+        (["--cost-table-from", f"{TRACES_BF16}/cost_table_zen5.json"], "no per-round times"),
+        (["--cost-table-from", TABLE_WITH_ROUNDS, "--scenarios", "nope"], "unknown scenario"),
+        (["--cost-table-from", "/nonexistent/table.json"], "cannot read a cost table"),
+    ],
+)
+def test_table_noise_refuses_bad_input(flags, message, capsys) -> None:
+    from specdec.evals.controller_sweep.table_noise import main as noise_main
+
+    with pytest.raises(SystemExit) as e:
+        noise_main(["--traces", TRACES_BF16, *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

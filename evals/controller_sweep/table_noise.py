@@ -30,7 +30,7 @@ BEST_TARGET = 0.98  # adaptive over the best fixed arm (issue targets, docs/cont
 PLAIN_TARGET = 0.99  # adaptive over plain where no fixed arm beats plain
 
 
-def has_rounds(cost_table: dict) -> bool:
+def has_resampleable_rounds(cost_table: dict) -> bool:
     """Whether every timed shape of a table keeps its per-round times."""
     timed = [row for kind, rows in cost_table.items() if kind != "sampling" for row in rows]
     return bool(timed) and all(row.get("rounds") for row in timed)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = _pick(args.scenarios, default_scenarios(), "scenario")
     except SpecdecError as e:
         p.error(str(e))
-    if not has_rounds(table.get("cost_table", {})):
+    if not has_resampleable_rounds(table.get("cost_table", {})):
         p.error(
             "the cost table keeps no per-round times (measured before tables kept their rounds):"
             " measure one with `specdec trace --cost-table-only`"
