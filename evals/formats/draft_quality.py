@@ -114,12 +114,12 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict) -> str:
-    env = result["environment"]
+    from specdec.evals.environment import provenance_line
+
     lines = [
         "# Draft formats: acceptance against draft time",
         "",
-        f"Command: `{result['command']}` at commit {result['commit']}. Machine: {env['cpu']} "
-        f"({result['cpu_flags']}), {result['threads']} threads, {result['dtype']} target and "
+        f"{provenance_line(result)}, {result['dtype']} target and "
         f"draft. {result['outputs']} committed greedy outputs of the target, read by the draft "
         "one token per forward; acceptance and tokens per verify at fixed k replayed exactly from "
         "its greedy picks; step times are medians of one-token forwards at a 64-token context, "

@@ -185,13 +185,13 @@ def _layers(name: str, model):
 
 
 def markdown(result: dict) -> str:
-    env = result["environment"]
+    from specdec.evals.environment import provenance_line
+
     reference = result["rows"][REFERENCE]
     lines = [
         "# Target formats against the fp32 model",
         "",
-        f"Command: `{result['command']}` at commit {result['commit']}. Machine: {env['cpu']} "
-        f"({result['cpu_flags']}), {result['threads']} threads. The target "
+        f"{provenance_line(result)}. The target "
         f"({result['target']}) alone reads the held-out text ({result['tokens']} tokens) in "
         f"256-token forwards; at every position from {result['min_context']} tokens of context on "
         f"({reference['positions']} positions) its next-token distribution is compared with the "

@@ -83,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(result: dict) -> str:
+    from specdec.evals.environment import provenance_line
+
     lines = [
         "# Native attention rows against the torch calls",
         "",
-        f"Command: `{result['command']}` at commit {result['commit']}. Machine: "
-        f"{result['environment'].get('cpu', '?')} ({result['cpu_flags']}), {result['threads']} "
-        f"threads. Formats `{result['arm']}`; batch 1, greedy, EOS ignored, "
+        f"{provenance_line(result)}. Formats `{result['arm']}`; batch 1, greedy, EOS ignored, "
         f"{result['max_tokens']} tokens per prompt, both engines in one process, prompts "
         "interleaved. Decode tokens per second after the first token, median over prompts; in "
         "brackets, native over torch.",

@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(result: dict) -> str:
+    from specdec.evals.environment import provenance_line
+
     lines = [
         "# The sampler's native noise pass against its torch ops",
         "",
-        f"Command: `{result['command']}` at commit {result['commit']}. Machine: "
-        f"{result['environment'].get('cpu', '?')} ({result['cpu_flags']}), {result['threads']} "
-        f"threads, {result['dtype']} target with the engine's default draft. Open prompts at "
-        f"temperature {result['temperature']}, seeded, {result['max_tokens']} tokens each (EOS "
-        "ignored), twice the concurrency in requests per round; the four engines step in turn. "
+        f"{provenance_line(result)}, {result['dtype']} target with the engine's default draft. "
+        f"Open prompts at temperature {result['temperature']}, seeded, {result['max_tokens']} "
+        "tokens each (EOS ignored), twice the concurrency in requests per round; the four engines step in turn. "
         "Output tokens per second of each engine's own step time, median over rounds; in "
         "brackets, the median over rounds of native over torch.",
         "",

@@ -186,12 +186,12 @@ def summarize(result: dict, arms: list[TreeArm]) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    env = result["environment"]
+    from specdec.evals.environment import provenance_line
+
     lines = [
         "# Token trees against chains, batch 1",
         "",
-        f"`{result['command']}` (commit {result['commit']}). Machine: {env.get('cpu')} "
-        f"({result['cpu_flags']}), {result['threads']} threads; {result['rounds']} rounds, "
+        f"{provenance_line(result)}; {result['rounds']} rounds, "
         f"{result['prompts_per_group']} prompts per group, {result['max_tokens']} tokens, greedy. "
         "Medians over prompts and rounds; arms interleaved per prompt.",
         "",
