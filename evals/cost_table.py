@@ -56,10 +56,10 @@ def measure_cost_table(
     allocator) in ``rounds`` rounds, each visiting all shapes once in a fresh shuffled order, and
     keep each shape's median over the rounds (``seconds``; each round's value, the fastest of
     ``repeats`` back-to-back forwards, in ``rounds``). A slow spell of a shared machine lasts
-    seconds: in a fixed order it falls on neighbouring shapes of one pass, and a fastest over
-    passes keeps whichever shapes a fast spell met, so a ladder of verify shapes rises by
-    uneven steps; shuffled, a spell falls on shapes at random, and the median drops it. Shapes
-    the pool cannot hold are skipped."""
+    seconds: in a fixed order it falls on neighbouring shapes of one pass, which then share its
+    luck; shuffled, it falls on shapes at random, and the median drops it. The rounds kept show
+    how far a shape's time spreads (``controller_sweep.table_noise`` replays on tables drawn
+    from them). Shapes the pool cannot hold are skipped."""
     import random
 
     jobs = _timing_jobs(target_engine, draft_engine)
