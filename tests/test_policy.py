@@ -16,6 +16,7 @@ from specdec.controller.estimates import (
 )
 from specdec.controller.policy import (
     EXPLORE_INTERVAL,
+    MARGIN,
     AdaptivePolicy,
     DraftStop,
     FixedPolicy,
@@ -297,9 +298,32 @@ def test_exploration_breaks_a_tie_towards_the_draft_length_not_being_measured():
     assert all(any(ks) for ks in decisions[-3:])  # held from the exploration step on
 
 
-def _explore_decisions(initial_acceptance: float, lag: int, steps: int) -> list[list[int]]:
-    """Decisions over ``steps`` steps for one sequence 1024 tokens in whose draft lags by ``lag``,
-    on a machine where a draft forward costs 30% of a target forward."""
+def test_the_first_decode_only_step_takes_the_best_candidate_outright():
+    """Plain decode held through the prompts was never chosen, so the band does not guard it:
+    drafting priced above plain by less than the margin drafts from the first decode-only step
+    on. The same prices after a decision was made keep that decision."""
+    seqs = make_seqs(1, context=1024)
+    seqs[0].params = SamplingParams(max_tokens=3000)
+    for acceptance in (0.30 + 0.01 * i for i in range(40)):
+        policy = _priced_policy(acceptance)
+        plain = policy._evaluate_held(seqs, [0], policy._tables(seqs), [0], PrefillShape())
+        decision = policy.decide(seqs, PrefillShape())
+        if any(decision.ks):
+            break
+    assert decision.predicted_goodput < (1.0 + MARGIN) * plain.goodput  # inside the band
+    assert all(any(policy.decide(seqs, PrefillShape()).ks) for _ in range(5))
+
+    policy = _priced_policy(acceptance)
+    seqs[0].num_draft_computed_tokens = 24  # a lag of 1000 to repay within two tokens
+    seqs[0].params = SamplingParams(max_tokens=2)
+    assert not any(policy.decide(seqs, PrefillShape()).ks)  # plain, chosen on evidence
+    seqs[0].num_draft_computed_tokens = 1023
+    seqs[0].params = SamplingParams(max_tokens=3000)
+    assert not any(any(policy.decide(seqs, PrefillShape()).ks) for _ in range(5))
+
+
+def _priced_policy(initial_acceptance: float) -> AdaptivePolicy:
+    """A policy on a machine where a draft forward costs 30% of a target forward."""
     policy = AdaptivePolicy(6, initial_acceptance=initial_acceptance, stop_drafts_early=False)
     for _ in range(12):
         for rows in (1, 2, 4, 8, 16, 64):
@@ -307,10 +331,19 @@ def _explore_decisions(initial_acceptance: float, lag: int, steps: int) -> list[
             policy.cost.observe(
                 ForwardShape(rows, 1), 0.1 + 0.004 * rows, draft, 0.03 + 0.0005 * rows
             )
+    return policy
+
+
+def _explore_decisions(initial_acceptance: float, lag: int, steps: int) -> list[list[int]]:
+    """Decisions over ``steps`` steps for one sequence 1024 tokens in whose draft lags by ``lag``,
+    on ``_priced_policy``'s machine."""
+    policy = _priced_policy(initial_acceptance)
     seqs = make_seqs(1, context=1024)
-    seqs[0].params = SamplingParams(max_tokens=3000)  # spread over ~2,000 steps: ~1 row
     seqs[0].num_draft_computed_tokens = 1024 - lag
-    return [policy.decide(seqs, PrefillShape()).ks for _ in range(steps)]
+    seqs[0].params = SamplingParams(max_tokens=2)  # a catch-up to repay within two tokens
+    first = policy.decide(seqs, PrefillShape()).ks  # so the first decision is plain, on evidence
+    seqs[0].params = SamplingParams(max_tokens=3000)  # spread over ~2,000 steps: ~1 row
+    return [first] + [policy.decide(seqs, PrefillShape()).ks for _ in range(steps - 1)]
 
 
 def test_a_lagging_draft_is_charged_the_seconds_of_its_catch_up_spread_over_its_steps():
@@ -501,12 +534,12 @@ def test_adaptive_trees_shrink_to_chains_then_plain_as_the_batch_grows():
     """Rows that cost little one at a time add up: the same prices draft a tree for one
     sequence, chains for eight and nothing for a large batch."""
     chosen = {}
-    for n in (1, 8, 64):
+    for n in (1, 8, 128):
         d = _tree_policy(per_row=0.002).decide(make_seqs(n), PrefillShape())
         chosen[n] = (
             "tree" if d.tree_nodes and any(d.tree_nodes) else "chain" if any(d.ks) else "plain"
         )
-    assert chosen == {1: "tree", 8: "chain", 64: "plain"}
+    assert chosen == {1: "tree", 8: "chain", 128: "plain"}
 
 
 def test_a_tree_verify_teaches_chain_acceptance_its_first_choices_only():

@@ -126,8 +126,7 @@ class FixedPolicy:
     """k drafts for every 'on' and 'auto' sequence (as trees of ``tree_nodes`` nodes, k deep)."""
 
     def __init__(self, k: int, tree_nodes: int = 0) -> None:
-        self.k = k
-        self.tree_nodes = tree_nodes
+        self.k, self.tree_nodes = k, tree_nodes
         self._last: list[int] = []
 
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
@@ -178,8 +177,7 @@ class AdaptivePolicy:
         tree_nodes: int = 0,
         tree_widths: Callable[[int], Seq[int]] | None = None,
     ) -> None:
-        self.k_max = k_max
-        self.max_model_len = max_model_len
+        self.k_max, self.max_model_len = k_max, max_model_len
         self.acceptance = AcceptanceModel(k_max, initial_acceptance)
         # the same counts over tree verifies: what trees measured beyond the chain's rates
         self.tree_acceptance = AcceptanceModel(k_max, initial_acceptance) if tree_nodes else None
@@ -189,7 +187,7 @@ class AdaptivePolicy:
         self.stop_drafts_early = stop_drafts_early and has_draft_model
         self.has_draft_model = has_draft_model  # a lookup proposer's drafts cost no forwards
         self._held: tuple[int, float, int] = (0, 0.0, 0)  # (k, share drafting, tree nodes)
-        self._since_explore = 0
+        self._since_explore, self._decided = 0, False
         self._last: list[int] = []
         self._last_goodput = self._last_seconds = 0.0
         self._table_cache: dict[int, tuple] = {}  # seq_id -> (key, chain E, tree E)
@@ -218,10 +216,13 @@ class AdaptivePolicy:
             candidates = [c for c in fits if c.tree_nodes <= held.tree_nodes]
         best = max(candidates, key=lambda c: c.goodput)
         choice = held
-        if best.goodput > held.goodput * (1.0 + MARGIN):
+        # The band guards a decision made on evidence. Plain decode held before the first
+        # decode-only step was never chosen, so that step takes the best candidate outright.
+        if best.goodput > held.goodput * (1.0 + MARGIN * self._decided):
             choice = best
             if decode_only:
                 self._held = (best.k, best.share, best.tree_nodes)
+        self._decided |= decode_only
         if explore:
             choice = self._runner_up(seqs, choice, candidates, prefill)
         ks = choice.ks
