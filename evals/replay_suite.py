@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from specdec.engine.errors import ConfigError
 from specdec.evals.cost_table import StepCosts
 from specdec.evals.replay import (
     EngineShape,
@@ -191,6 +192,18 @@ def default_scenarios() -> list[Scenario]:
         ),
     ]
     return out
+
+
+def pick_by_name(text: str, items: list, what: str) -> list:
+    """The items (scenarios, policies) named in comma-separated ``text``; all for '' or 'all'."""
+    if text.strip() in ("", "all"):
+        return items
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = {i.name: i for i in items}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"unknown {what} {', '.join(unknown)}; known: {', '.join(known)}")
+    return [known[n] for n in names]
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -45,25 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _pick(text: str, items: list, what: str) -> list:
-    if text.strip() in ("", "all"):
-        return items
-    from specdec.engine.errors import ConfigError
-
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    known = {i.name: i for i in items}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ConfigError(f"unknown {what} {', '.join(unknown)}; known: {', '.join(known)}")
-    return [known[n] for n in names]
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
     from specdec.evals.environment import command_line, git_commit
     from specdec.evals.replay import default_policies
     from specdec.evals.replay_suite import (
         default_scenarios,
+        pick_by_name,
         run_suite,
         targets_markdown,
         to_json,
@@ -78,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if args.cost_table_from:
         traces = priced_by(traces, load_cost_table(args.cost_table_from))
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
-    scenarios = _pick(args.scenarios, default_scenarios(), "scenario")
-    policies = _pick(args.policies, default_policies(), "policy")
+    scenarios = pick_by_name(args.scenarios, default_scenarios(), "scenario")
+    policies = pick_by_name(args.policies, default_policies(), "policy")
     start = time.perf_counter()
     report = run_suite(traces, scenarios, policies, workers=args.workers)
     seconds = time.perf_counter() - start

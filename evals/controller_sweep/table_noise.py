@@ -141,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--resamples and --workers must be >= 1")
 
     from specdec.engine.errors import SpecdecError
-    from specdec.evals.commands.replay import _pick
     from specdec.evals.environment import result_header, write_result
     from specdec.evals.replay import default_policies
-    from specdec.evals.replay_suite import default_scenarios, run_suite
+    from specdec.evals.replay_suite import default_scenarios, pick_by_name, run_suite
     from specdec.evals.traces import COST_TABLE_KEYS, load_cost_table, load_traces, priced_by
 
     try:
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             table = load_cost_table(args.cost_table_from)
         else:
             table = {k: traces.meta[k] for k in COST_TABLE_KEYS if k in traces.meta}
-        scenarios = _pick(args.scenarios, default_scenarios(), "scenario")
+        scenarios = pick_by_name(args.scenarios, default_scenarios(), "scenario")
     except SpecdecError as e:
         p.error(str(e))
     if not has_resampleable_rounds(table.get("cost_table", {})):
