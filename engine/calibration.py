@@ -24,7 +24,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ CALIBRATION_SECONDS = 30.0  # every plain and verify shape up to 16 x 7 rows on 
 SHORT_CONTEXT = 32  # keys each temporary sequence attends over in most shapes
 LONG_CONTEXT = 1024  # the long-context shapes: attention's share of a step shows here
 MIN_SHAPES = 3  # measured whatever the budget says: one plain, one verify, one more
+STEADY_RATIO = 1.5  # a one-row forward re-timed within this factor: the table's machine is this one
 FORMAT_VERSION = 1
 Clock = Callable[[], float]
 
@@ -180,16 +181,44 @@ def cached_or_measured(
     if path.is_file():
         try:
             table = CostTable.from_json(json.loads(path.read_text()))
-            logger.info("step-cost table read from %s", path)
-            return table
+            if _steady(table, target, draft, allocator, clock):
+                logger.info("step-cost table read from %s", path)
+                return table
+            logger.warning("step-cost table %s was timed on a busier or other machine", path)
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
             logger.warning("ignoring unreadable step-cost table %s: %s", path, exc)
     table = measure(target, draft, allocator, spec, machine, clock)
+    if not _steady(table, target, draft, allocator, clock):
+        logger.warning("the machine's speed changed during calibration: table not cached")
+        return table
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table.to_json(), indent=1))
     tmp.replace(path)
     return table
+
+
+def _steady(
+    table: CostTable,
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    allocator: BlockAllocator,
+    clock: Clock,
+) -> bool:
+    """Whether a one-row forward of each model, timed now, takes what ``table`` says within
+    ``STEADY_RATIO``. A table timed while other work held the machine prices every step wrongly,
+    and a draft priced far above its cost is never run, so no live step ever corrects it: such a
+    table is measured again rather than kept."""
+    for name, runner in (("target", target), ("draft", draft)):
+        one_row = CostSample(name, 1, 1, 1 + SHORT_CONTEXT, 0.0)
+        recorded = [s.seconds for s in table.samples if s == replace(one_row, seconds=s.seconds)]
+        now = time_forward(runner, allocator, 1, 1, 1, clock=clock) if runner and recorded else None
+        if now and max(now / recorded[0], recorded[0] / now) > STEADY_RATIO:
+            logger.info(
+                "%s one-row forward: %.4f s in the table, %.4f s now", name, recorded[0], now
+            )
+            return False
+    return True
 
 
 def measure(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+from specdec.engine import calibration
 from specdec.engine.calibration import (
     CalibrationSpec,
     CostTable,
@@ -162,3 +164,50 @@ def test_the_cache_key_follows_the_plan_of_shapes(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.json"))) == 2  # measured to the new plan, stored apart
     catch_ups = [s.rows for s in table.samples if s.model == "draft" and s.seqs == 1]
     assert 32 not in catch_ups
+
+
+def test_a_cached_table_timed_on_a_busier_machine_is_measured_afresh(tmp_path):
+    # A table timed while other work held the machine prices the draft far above its cost, and a
+    # draft that is never run is never measured live: the table must not outlive that spell.
+    engine = _engine()
+    spec = CalibrationSpec(max_num_seqs=1, k_max=1, max_rows=8, budget_seconds=1.0, repeats=1)
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
+    args = (engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+    ticks = iter(range(1, 10**9))
+    clock = lambda: next(ticks) * 1e-3  # noqa: E731  every forward takes 1 ms
+    first = cached_or_measured(*args, cache_dir=tmp_path, clock=clock)
+    path = next(tmp_path.glob("*.json"))
+    busy = first.to_json()
+    busy["samples"] = [dict(s, seconds=s["seconds"] * 20) for s in busy["samples"]]
+    path.write_text(json.dumps(busy))
+    again = cached_or_measured(*args, cache_dir=tmp_path, clock=clock)
+    assert all(s.seconds == pytest.approx(1e-3) for s in again.samples)  # measured, not read
+    assert json.loads(path.read_text())["samples"] == again.to_json()["samples"]  # and kept
+    assert cached_or_measured(*args, cache_dir=tmp_path, clock=clock).to_json() == again.to_json()
+
+
+def test_a_table_timed_while_the_machine_changed_speed_serves_the_run_uncached(tmp_path):
+    engine = _engine()
+    free = engine.allocator.num_free_blocks
+    spec = CalibrationSpec(max_num_seqs=1, k_max=1, max_rows=8, budget_seconds=1.0, repeats=1)
+    machine = machine_description(torch.device("cpu"), torch.float32, ["t", "d"])
+    args = (engine.target_runner, engine.proposer.runner, engine.allocator, spec, machine)
+    now = [0.0]
+    step = [1e-3]
+
+    def clock() -> float:  # each reading a step on; steps 20 times longer once the plan is done
+        now[0] += step[0]
+        return now[0]
+
+    original = calibration.time_forward
+
+    def slower_afterwards(*a, **k):
+        step[0] = 20e-3
+        return original(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibration, "time_forward", slower_afterwards)
+        table = cached_or_measured(*args, cache_dir=tmp_path, clock=clock)
+    assert {s.model for s in table.samples} == {"target", "draft"}
+    assert not list(tmp_path.glob("*.json"))  # used for this run, not kept
+    assert engine.allocator.num_free_blocks == free
