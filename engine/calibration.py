@@ -43,7 +43,7 @@ SHORT_CONTEXT = 32  # keys each temporary sequence attends over in most shapes
 LONG_CONTEXT = 1024  # the long-context shapes: attention's share of a step shows here
 MIN_SHAPES = 3  # measured whatever the budget says: one plain, one verify, one more
 STEADY_RATIO = 1.5  # a one-row forward re-timed within this factor: the table's machine is this one
-STEADY_SLACK = 5e-3  # seconds of timer and scheduler jitter, which a millisecond forward's ratio would read as a change
+STEADY_SLACK = 5e-3  # seconds of timer jitter: a 1 ms forward's ratio would read it as a change
 FORMAT_VERSION = 1
 Clock = Callable[[], float]
 
