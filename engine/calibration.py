@@ -24,7 +24,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -207,24 +207,23 @@ def _steady(
     clock: Clock,
 ) -> bool:
     """Whether a one-row forward of each model, timed now, takes what ``table`` says within
-    ``STEADY_RATIO``. A table timed while other work held the machine prices every step wrongly,
-    and a draft priced far above its cost is never run, so no live step ever corrects it: such a
-    table is measured again rather than kept."""
+    ``STEADY_RATIO`` (or ``STEADY_SLACK`` seconds). A table timed while other work held the
+    machine prices every step wrongly, and a draft priced far above its cost is never run, so no
+    live step ever corrects it: such a table is measured again rather than kept."""
     for name, runner in (("target", target), ("draft", draft)):
-        one_row = CostSample(name, 1, 1, 1 + SHORT_CONTEXT, 0.0)
-        recorded = [s.seconds for s in table.samples if s == replace(one_row, seconds=s.seconds)]
-        # Fastest of three: on a fresh engine the first forward pays one-off allocations.
-        now = (
-            time_forward(runner, allocator, 1, 1, 1, repeats=3, clock=clock)
-            if runner and recorded
-            else None
+        one_row = (name, 1, 1, 1 + SHORT_CONTEXT)
+        recorded = next(
+            (s.seconds for s in table.samples if (s.model, s.rows, s.seqs, s.attended) == one_row),
+            None,
         )
-        if now is None or abs(now - recorded[0]) <= STEADY_SLACK:
+        if runner is None or recorded is None:
             continue
-        if max(now / recorded[0], recorded[0] / now) > STEADY_RATIO:
-            logger.info(
-                "%s one-row forward: %.4f s in the table, %.4f s now", name, recorded[0], now
-            )
+        # Fastest of three: on a fresh engine the first forward pays one-off allocations.
+        now = time_forward(runner, allocator, 1, 1, 1, repeats=3, clock=clock)
+        if now is None or abs(now - recorded) <= STEADY_SLACK:
+            continue
+        if max(now / recorded, recorded / now) > STEADY_RATIO:
+            logger.info("%s one-row forward: %.4f s in the table, %.4f s now", name, recorded, now)
             return False
     return True
 
