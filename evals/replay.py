@@ -27,7 +27,10 @@ resamples a token from the residual and the text diverges).
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -92,6 +95,22 @@ class ReplayRequest:
             return self.prompt[pos]
         j = pos - len(self.prompt)
         return self.path[j] if j < len(self.path) else None
+
+    def cut(self, max_tokens: int) -> ReplayRequest:
+        """The same request stopped after ``max_tokens`` output tokens."""
+        n = max_tokens
+
+        def head(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[:n]
+
+        return dataclasses.replace(
+            self,
+            path=self.path[:n],
+            accept=self.accept[:n],
+            confidence=self.confidence[:n],
+            rank=head(self.rank),
+            top_probs=head(self.top_probs),
+        )
 
     def leading_accepts(self, start: int, limit: int) -> int:
         """How many consecutive drafts from output position ``start`` on would be accepted."""
@@ -385,15 +404,27 @@ class EngineShape:
         )
 
 
+@dataclass(frozen=True)
+class Round:
+    """The next ``size`` requests from ``concurrency`` clients, started once every earlier
+    round's requests finished (a benchmark's rounds); only ``measured`` rounds are reported."""
+
+    size: int
+    concurrency: int
+    measured: bool = True
+
+
 @dataclass
 class Workload:
     """Requests in submission order, and how they arrive: ``concurrency`` clients each sending its
     next request when the last one finished (closed loop; ``grow_to`` (n, c): c clients once n
-    requests were sent), or open loop at each request's ``arrival`` when ``concurrency`` is None."""
+    requests were sent), in ``rounds`` (closed loops one after another), or open loop at each
+    request's ``arrival`` when ``concurrency`` is None and there are no rounds."""
 
     requests: list[ReplayRequest]
     concurrency: int | None
     grow_to: tuple[int, int] | None = None
+    rounds: tuple[Round, ...] = ()
     slowdowns: list[tuple[float, float, float]] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
     stall_seconds: float = 0.0
@@ -437,7 +468,6 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
     pending = deque(workload.requests)
     arrivals: dict[str, float] = {}
     first_token: dict[str, float] = {}
-    tokens = 0
 
     def submit(req: ReplayRequest, now: float) -> None:
         params = RecordedPathParams(
@@ -449,20 +479,29 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
         engine.add_request(req.request_id, req.prompt, params, arrival_time=now)
         arrivals[req.request_id] = now
 
+    bounds = list(itertools.accumulate(r.size for r in workload.rounds))
+    if bounds and bounds[-1] != len(workload.requests):
+        raise ValueError(f"the rounds hold {bounds[-1]} requests, the workload {len(pending)}")
+    closed = workload.concurrency is not None or bool(bounds)
+
     def clients() -> int:
         grow = workload.grow_to
         return grow[1] if grow and len(arrivals) >= grow[0] else workload.concurrency or 0
 
     def fill_closed_loop(now: float) -> None:
-        while pending and len(arrivals) - len(finished) < clients():
+        if bounds and pending:  # the round under way: the first whose requests have not finished
+            r = bisect.bisect_right(bounds, len(finished))
+            while len(arrivals) < min(bounds[r], len(finished) + workload.rounds[r].concurrency):
+                submit(pending.popleft(), now)
+        while not bounds and pending and len(arrivals) - len(finished) < clients():
             submit(pending.popleft(), now)
 
-    finished: set[str] = set()
-    if workload.concurrency is not None:
+    finished: dict[str, float] = {}  # request id -> when its last token came
+    if closed:
         fill_closed_loop(0.0)
     idle = 0
     while pending or engine.has_unfinished():
-        if workload.concurrency is None:
+        if not closed:
             while pending and pending[0].arrival <= clock.now:
                 req = pending.popleft()
                 submit(req, req.arrival)
@@ -482,20 +521,32 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
                 req = book[out.request_id]
                 if out.output_token_ids != req.path:
                     raise ReplayError(f"{out.request_id}: the engine left the recorded path")
-                tokens += len(out.output_token_ids)
-                finished.add(out.request_id)
-        if workload.concurrency is not None:
+                finished[out.request_id] = now
+        if closed:
             fill_closed_loop(now)
     if engine.allocator.num_free_blocks != free_at_start:
         raise ReplayError(
             f"KV blocks leaked: {free_at_start - engine.allocator.num_free_blocks} not returned"
         )
-    start = min(arrivals.values(), default=0.0)
+    # What is reported: every request over the whole run, or the measured rounds over their spans
+    spans = [workload.requests]
+    if bounds:
+        starts = [0, *bounds[:-1]]
+        spans = [
+            workload.requests[a:b]
+            for a, b, r in zip(starts, bounds, workload.rounds, strict=True)
+            if r.measured
+        ]
+    ids = [r.request_id for span in spans for r in span]
+    seconds = sum(
+        max(finished[r.request_id] for r in span) - min(arrivals[r.request_id] for r in span)
+        for span in spans
+    ) if bounds else clock.now - min(arrivals.values(), default=0.0)  # fmt: skip
     stats = engine.spec_stats
     result = PolicyResult(
-        tokens=tokens,
-        seconds=clock.now - start,
-        ttft=[first_token[r] - arrivals[r] for r in sorted(arrivals)],
+        tokens=sum(len(book[i].path) for i in ids),
+        seconds=seconds,
+        ttft=[first_token[i] - arrivals[i] for i in sorted(ids)],
         steps=engine.num_steps,
         drafted=stats.num_draft_tokens,
         accepted=stats.num_accepted_tokens,

@@ -26,6 +26,7 @@ from specdec.evals.replay import (
     Policy,
     PolicyResult,
     ReplayRequest,
+    Round,
     Workload,
     default_policies,
     replay_request,
@@ -37,6 +38,13 @@ CODE_CATEGORIES = ("code_generation", "code_editing")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 LONG_PROMPT_TOKENS = 3840  # prompt + output stay within the replay engine's 4096 positions
 SEED = 0
+# The live sweep's code workload: its warm-up (requests, tokens), concurrencies, rounds a point
+# and tokens a request; the points replayed with their rounds measured.
+SWEEP_WARMUP = (8, 32)
+SWEEP_CONCURRENCIES = (1, 4, 8, 16)
+SWEEP_ROUNDS = 3
+SWEEP_TOKENS = 48
+SWEEP_MEASURED = (8, 16)
 
 
 def requests_for(c: int) -> int:
@@ -54,16 +62,23 @@ def open_pool(traces: Sequence[RequestTrace]) -> list[RequestTrace]:
 
 
 def build_requests(
-    name: str, pool: Sequence[RequestTrace], n: int, filler_to: int = 0, start: int = 0
+    name: str,
+    pool: Sequence[RequestTrace],
+    n: int,
+    filler_to: int = 0,
+    start: int = 0,
+    max_tokens: int = 0,
 ) -> list[ReplayRequest]:
-    """``n`` requests cycling through ``pool``; ``filler_to`` pads prompts to that many tokens."""
+    """``n`` requests cycling through ``pool``; ``filler_to`` pads prompts to that many tokens,
+    ``max_tokens`` cuts the recorded outputs to that many."""
     if not pool:
         raise ValueError(f"scenario {name}: the trace set has no requests for its workload")
     out = []
     for i in range(start, start + n):
         trace = pool[i % len(pool)]
         filler = max(0, filler_to - int(trace.prompt_ids.shape[0])) if filler_to else 0
-        out.append(replay_request(trace, f"{name}-{i}", SEED, i // len(pool), filler))
+        req = replay_request(trace, f"{name}-{i}", SEED, i // len(pool), filler)
+        out.append(req.cut(max_tokens) if max_tokens else req)
     return out
 
 
@@ -168,6 +183,26 @@ def _mixed(traces: TraceSet, costs: StepCosts) -> Workload:
     return Workload(reqs, None)
 
 
+def _sweep(measured_c: int) -> Callable[[TraceSet, StepCosts], Workload]:
+    """The live sweep's code points (``evals/controller_sweep``) on one engine, as they follow
+    each other: untimed pairs, then three rounds per concurrency of max(c, 4) requests of
+    ``SWEEP_TOKENS``, each round started once the last drained, up to ``measured_c``'s rounds,
+    the only ones reported. A round of c requests at c clients starts them all at once."""
+
+    def build(traces: TraceSet, costs: StepCosts) -> Workload:
+        pool = code_pool(traces.requests)
+        rounds = [Round(SWEEP_WARMUP[0], 2, measured=False)]
+        for c in SWEEP_CONCURRENCIES[: SWEEP_CONCURRENCIES.index(measured_c) + 1]:
+            rounds += [Round(max(c, 4), c, measured=c == measured_c)] * SWEEP_ROUNDS
+        name = f"sweep{measured_c}"
+        reqs = build_requests(name, pool, rounds[0].size, max_tokens=SWEEP_WARMUP[1])
+        n = sum(r.size for r in rounds[1:])
+        reqs += build_requests(name, pool, n, start=rounds[0].size, max_tokens=SWEEP_TOKENS)
+        return Workload(reqs, None, rounds=tuple(rounds))
+
+    return build
+
+
 def default_scenarios() -> list[Scenario]:
     out = []
     for c in CONCURRENCIES:
@@ -190,6 +225,10 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             "mixed", "Poisson arrivals of code and open requests at 60% of plain capacity", _mixed
         ),
+    ]
+    out += [
+        Scenario(f"sweep_code_c{c}", f"the live sweep's code rounds up to {c} clients", _sweep(c))
+        for c in SWEEP_MEASURED
     ]
     return out
 

@@ -12,6 +12,7 @@ from specdec.evals.replay import (
     OraclePolicy,
     Policy,
     ReplayError,
+    Round,
     SimClock,
     Workload,
     default_policies,
@@ -119,6 +120,42 @@ def test_a_closed_loop_grows_to_more_clients_once_its_first_requests_were_sent()
     sizes = _batch_sizes((2, 3))
     grown = sizes.index(3)
     assert grown > 1 and set(sizes[:grown]) == {1} and max(sizes) == 3
+
+
+def _six_requests():
+    return [replay_request(synthetic_trace(f"r{i}", "code_generation", 0.0, MATCHES),
+                           f"q{i}", seed=0) for i in range(6)]  # fmt: skip
+
+
+def test_rounds_start_once_the_last_drained_and_only_measured_ones_are_reported():
+    ctl = BatchRecordingPolicy(1)
+    rounds = (Round(2, 1, measured=False), Round(4, 4))
+    workload = Workload(_six_requests(), None, rounds=rounds)
+    result, _ = run_policy(workload, Policy("rec", lambda e: ctl), COSTS, SHAPE)
+    # One client for the first two requests, then all four of the second round at once.
+    grown = ctl.sizes.index(4)
+    assert set(ctl.sizes[:grown]) == {1}
+    assert result.tokens == 4 * len(MATCHES)
+    assert len(result.ttft) == 4
+    both = Workload(_six_requests(), None, rounds=(Round(2, 1), Round(4, 4)))
+    whole, _ = run_policy(both, Policy("rec", lambda e: BatchRecordingPolicy(1)), COSTS, SHAPE)
+    assert whole.tokens == 6 * len(MATCHES)
+    # The first round's two requests one after the other take longer than four at once.
+    assert whole.seconds - result.seconds > result.seconds
+
+
+def test_rounds_must_cover_the_workload():
+    workload = Workload(_six_requests(), None, rounds=(Round(2, 1),))
+    with pytest.raises(ValueError, match="rounds hold 2 requests"):
+        run_policy(workload, Policy("rec", lambda e: FixedPolicy(1)), COSTS, SHAPE)
+
+
+def test_a_cut_request_keeps_its_first_tokens_and_their_acceptance():
+    req = _one_request(MATCHES)
+    cut = req.cut(5)
+    assert cut.path == req.path[:5]
+    assert cut.accept.tolist() == req.accept[:5].tolist()
+    assert len(cut.confidence) == 5 and cut.prompt == req.prompt
 
 
 class ShapeRecordingPolicy(FixedPolicy):
