@@ -218,7 +218,7 @@ class Scheduler:
         for seq in self.running:
             if ks.get(seq.seq_id, 0) == 0:
                 continue
-            lag = seq.num_tokens - seq.num_draft_computed_tokens
+            lag = seq.draft_lag
             if lag <= budget:
                 budget -= lag
             else:

@@ -203,6 +203,11 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def draft_lag(self) -> int:
+        """Tokens the draft has not read yet (a prompt it never read, steps it sat out)."""
+        return self.num_tokens - self.num_draft_computed_tokens
+
     def tokens_left(self, max_model_len: int) -> int:
         """Tokens the sequence may still commit before max_tokens or max_model_len ends it."""
         left = max_model_len - self.num_tokens

@@ -322,6 +322,26 @@ def test_the_first_decode_only_step_takes_the_best_candidate_outright():
     assert not any(any(policy.decide(seqs, PrefillShape()).ks) for _ in range(5))
 
 
+def test_a_step_with_prompt_chunks_starts_no_lagging_draft():
+    """A lagging draft's catch-up is priced spread over the sequence's steps, which next to a
+    step's prompt chunks looks cheap whatever it costs: only a decode-only step starts it. A
+    draft that kept pace drafts in such a step as the held decision says."""
+    policy = _priced_policy(0.9)
+    seqs = make_seqs(2, context=256)
+    for s in seqs:
+        s.params = SamplingParams(max_tokens=3000)
+    assert all(policy.decide(seqs, PrefillShape()).ks)  # drafting held for both
+    seqs[1].num_draft_computed_tokens = 256 - 40
+    prompt = PrefillShape(rows=64, seqs=1, attended=64 * 64)
+    ks = policy.decide(seqs, prompt).ks
+    assert ks[0] > 0 and ks[1] == 0
+    assert all(policy.decide(seqs, PrefillShape()).ks)
+    seqs[1].num_draft_computed_tokens = 256 - 40
+    lookup = AdaptivePolicy(6, initial_acceptance=0.9, has_draft_model=False)
+    assert all(lookup.decide(seqs, PrefillShape()).ks)
+    assert all(lookup.decide(seqs, prompt).ks)  # a lookup proposer reads no history
+
+
 def _priced_policy(initial_acceptance: float) -> AdaptivePolicy:
     """A policy on a machine where a draft forward costs 30% of a target forward."""
     policy = AdaptivePolicy(6, initial_acceptance=initial_acceptance, stop_drafts_early=False)

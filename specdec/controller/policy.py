@@ -35,6 +35,7 @@ EXPLORE_INTERVAL = 64  # decode steps between re-measurements of the runner-up: 
 EXPLORE_BAND = 0.15  # only runners-up a plausible mispricing (<15%) could make the best are tried
 # A first token is worth this many later ones: TTFT targets are commonly a few TPOT targets.
 FIRST_TOKEN_WEIGHT = 4.0
+# How many of n sequences may draft: every count up to 4, then a geometric grid, and n.
 _COUNT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 _KEPT_PACE = 2  # draft rows after a verify: the bonus token, and the last accepted draft's
 
@@ -196,6 +197,11 @@ class AdaptivePolicy:
 
     def decide(self, seqs: Seq[Sequence], prefill: PrefillShape) -> SpecDecision:
         auto = [i for i, s in enumerate(seqs) if s.spec_mode == "auto"]
+        # A step with prompt chunks, its seconds mostly the prompts', makes any addition look
+        # cheap: it starts no lagging draft (a catch-up is priced spread over decode steps) and
+        # may draft less than the held decision, never more. Only decode-only steps move it.
+        if prefill.seqs and self.has_draft_model:
+            auto = [i for i in auto if seqs[i].draft_lag <= _KEPT_PACE]
         pinned = [self.k_max if s.spec_mode == "on" else 0 for s in seqs]
         if not auto:
             self._last = pinned
@@ -209,9 +215,7 @@ class AdaptivePolicy:
             self._last, self._last_goodput, self._last_seconds = held.ks, held.goodput, held.seconds
             return SpecDecision(held.ks, None, held.seconds, held.goodput)
         candidates = self._candidates(seqs, auto, tables, pinned, prefill)
-        if not decode_only:
-            # A step with prompt chunks may draft less than the held decision, never more: what
-            # it started would pay catch-ups for one step. Only decode-only steps move it.
+        if not decode_only:  # (see above)
             fits = [c for c in candidates if c.k <= held.k and c.share <= held.share]
             candidates = [c for c in fits if c.tree_nodes <= held.tree_nodes]
         best = max(candidates, key=lambda c: c.goodput)
@@ -304,7 +308,7 @@ class AdaptivePolicy:
             table = self._trees if tree_nodes else tables
             per_seq = sum(self._levels[k]) if tree_nodes else k
             order = sorted(auto, key=lambda i: -table[i][k])
-            counts = set(_counts(len(order)))
+            counts = {c for c in _COUNT_GRID if c < len(order)} | {len(order)}
             rows, att, samp, value, lag_seconds = 0, 0, 0, 0.0, 0.0
             sums, widths = (0,) * 5, self._widths(k, tree_nodes > 0)
             for n, i in enumerate(order, start=1):
@@ -329,7 +333,7 @@ class AdaptivePolicy:
         whose seconds beyond a kept-pace read are spread over the sequence's remaining steps at
         ``expected`` tokens a step (seconds, not rows: a lag-sized forward costs far more than
         its rows add to a small one). A one-step trial (``amortize`` False) pays all of it."""
-        lag = max(1, seq.num_tokens - seq.num_draft_computed_tokens)
+        lag = max(1, seq.draft_lag)
         if lag <= _KEPT_PACE or not amortize:
             return lag, 0.0
         if not self.has_draft_model:
@@ -456,11 +460,6 @@ def _draft_forwards(groups: Seq[Seq]) -> list[ForwardShape]:
         parts = [(n * w, n, w * (c + n * f), m * w) for n, m, c, w in live]  # rows .. sampled
         forwards.append(ForwardShape(*map(sum, zip(*parts, strict=True))))
     return forwards
-
-
-def _counts(n: int) -> list[int]:
-    """How many of n sequences may draft: every count up to 4, then a geometric grid, and n."""
-    return sorted({c for c in _COUNT_GRID if c < n} | {n})
 
 
 def _k_stats(ks: Seq[int]) -> dict:
