@@ -429,6 +429,11 @@ class Workload:
     stalls: list[float] = field(default_factory=list)
     stall_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        held = sum(r.size for r in self.rounds)
+        if self.rounds and held != len(self.requests):
+            raise ValueError(f"the rounds hold {held} requests, the workload {len(self.requests)}")
+
 
 @dataclass
 class PolicyResult:
@@ -480,8 +485,6 @@ def run_policy(workload: Workload, policy: Policy, costs: StepCosts, shape: Engi
         arrivals[req.request_id] = now
 
     bounds = list(itertools.accumulate(r.size for r in workload.rounds))
-    if bounds and bounds[-1] != len(workload.requests):
-        raise ValueError(f"the rounds hold {bounds[-1]} requests, the workload {len(pending)}")
     closed = workload.concurrency is not None or bool(bounds)
 
     def clients() -> int:
