@@ -136,6 +136,29 @@ def test_a_stall_in_a_shape_never_measured_stays_out_of_the_fit():
     assert cost.target_time(ForwardShape(64, 1)) == pytest.approx(_machine(64, 1), rel=0.05)
 
 
+def test_start_up_forwards_timed_in_a_busy_spell_stay_out_of_the_fit():
+    """A calibration whose middle shapes ran while other work held the cores (3.5x their
+    neighbours' times) prices those shapes as the machine runs them, not as the spell did."""
+    shapes = [(rows, seqs) for seqs in (1, 4, 8, 16) for rows in (seqs, 2 * seqs, 4 * seqs)]
+    spell = {(8, 8), (16, 4), (16, 8)}
+
+    def calibrated(spell_factor: float) -> StepCostModel:
+        cost = StepCostModel()
+        cost.target.seed(
+            [
+                ([ForwardShape(r, s)], _machine(r, s) * (spell_factor if (r, s) in spell else 1))
+                for r, s in shapes
+            ]
+        )
+        return cost
+
+    busy, quiet = calibrated(3.5), calibrated(1.0)
+    for rows, seqs in spell | {(24, 8), (12, 4)}:
+        assert busy.target_time(ForwardShape(rows, seqs)) == pytest.approx(
+            quiet.target_time(ForwardShape(rows, seqs)), rel=0.05
+        )
+
+
 def test_cost_fit_weighs_relative_errors_so_big_steps_do_not_swamp_small_ones():
     # Per-sequence work that the fit's one per-sequence term cannot carry out to prompt-sized
     # steps: a misfit the fit must place somewhere. In absolute seconds the prompt steps' share of

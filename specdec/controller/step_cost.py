@@ -130,10 +130,10 @@ class ForwardCost:
         # much as a 2 s prompt step's, which in absolute seconds would dominate the fit.
         w = np.sqrt([1.0] * live + [CALIBRATION_WEIGHT] * len(self._cal_y)) / np.maximum(y, 1e-6)
         beta = self._solve(x, y, w)
-        # A live forward the fit misses by more than STALL_RATIO was interference, not a price
-        # (whatever its shape, seen before or not): solved again without it.
-        kept = np.arange(len(y)) >= live
-        kept[:live] = y[:live] <= STALL_RATIO * (x[:live] @ beta)
+        # A forward the fit misses by more than STALL_RATIO, live or timed at start-up, was
+        # interference, not a price (whatever its shape, seen before or not): solved again
+        # without it.
+        kept = y <= STALL_RATIO * (x @ beta)
         self._theta = _MONOTONE @ (beta if kept.all() else self._solve(x[kept], y[kept], w[kept]))
         self._knot_values = self._theta[: len(_KNOTS)].tolist()
         self._c_seq, self._c_attn, self._c_samp = (float(v) for v in self._theta[-3:])
