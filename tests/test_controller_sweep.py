@@ -367,6 +367,31 @@ def test_row_split_refuses_rounds_below_one() -> None:
     assert e.value.code == 2
 
 
+def test_tiny_step_breakdown_splits_full_batch_steps_into_forwards_and_host_work(tmp_path):
+    from specdec.evals.controller_sweep.step_breakdown import main as breakdown_main
+
+    argv = ["--tiny", "--max-tokens", "8", "--concurrency", "3", "--repeats", "1"]
+    assert breakdown_main([*argv, "--output-dir", str(tmp_path)]) == 0
+    points = json.loads((tmp_path / "step_breakdown.json").read_text())["points"]
+    assert [(p["temperature"], p["k"]) for p in points] == [
+        (t, k) for t in (0.0, 1.0) for k in (0, 2, 4)
+    ]
+    for p in points:
+        assert p["steps"] > 0
+        parts = p["target_forward_ms"] + p["draft_forwards_ms"] + p["rest_ms"]
+        assert parts == pytest.approx(p["step_ms"])
+        assert p["rest_ms"] >= 0 and (p["draft_forwards_per_step"] > 0) == (p["k"] > 0)
+    assert "| 1 | 4 |" in (tmp_path / "step_breakdown.md").read_text()
+
+
+def test_step_breakdown_refuses_a_negative_k() -> None:
+    from specdec.evals.controller_sweep.step_breakdown import main as breakdown_main
+
+    with pytest.raises(SystemExit) as e:
+        breakdown_main(["--tiny", "--ks", "-1"])
+    assert e.value.code == 2
+
+
 TRACES_BF16 = "evals/data/traces_bf16_int4"
 TABLE_WITH_ROUNDS = f"{TRACES_BF16}/cost_table_zen5_b970af4.json"
 
