@@ -215,7 +215,7 @@ class AdaptivePolicy:
             self._last, self._last_goodput, self._last_seconds = held.ks, held.goodput, held.seconds
             return SpecDecision(held.ks, None, held.seconds, held.goodput)
         candidates = self._candidates(seqs, auto, tables, pinned, prefill)
-        if not decode_only:  # (see above)
+        if not decode_only:  # no more than the held decision (the top of decide says why)
             fits = [c for c in candidates if c.k <= held.k and c.share <= held.share]
             candidates = [c for c in fits if c.tree_nodes <= held.tree_nodes]
         best = max(candidates, key=lambda c: c.goodput)
